@@ -1,0 +1,64 @@
+"Dataset curation from the command line and from Python: determinism, disjoint splits, clear errors."
+import subprocess, sys
+import pyarrow.parquet as pq
+import pytest
+from ragen_nb.data import curate, load_split, render_prompt, followup_text, observation_message
+from ragen_nb.models import load_tokenizer
+from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, solve
+
+
+@pytest.fixture(scope='module')
+def tok(): return load_tokenizer()
+
+
+def test_cli_writes_both_splits(tmp_path):
+    out = tmp_path/'sokoban'
+    r = subprocess.run([sys.executable, '-m', 'ragen_nb.cli', 'data', '--output', str(out), '--seed', '500',
+                        '--train_size', '30', '--test_size', '5', '--prefix', 'qwen-instruct'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    train, test = load_split(out/'train.parquet'), load_split(out/'test.parquet')
+    assert [r['seed'] for r in train] == list(range(500, 530))
+    assert [r['seed'] for r in test] == list(range(530, 535))
+
+
+def test_rows_match_the_env_and_the_solver(tmp_path, tok):
+    settings = EnvSettings(search_depth=10)
+    rows = load_split(curate(tmp_path, seed=7, train_size=20, test_size=0, tokenizer=tok, settings=settings,
+                             progress=False)['train'], settings)
+    env = SokobanEnv(settings)
+    for row in rows:
+        assert env.reset(row['seed']) == row['room']            # the row's room is the env's room for that seed
+        plan = solve(*room_from_text(row['room']))
+        assert row['solution_length'] == len(plan)
+        assert row['room'] in row['prompt']
+
+
+def test_same_arguments_same_bytes(tmp_path, tok):
+    a = curate(tmp_path/'a', seed=3, train_size=15, test_size=3, tokenizer=tok, progress=False)
+    b = curate(tmp_path/'b', seed=3, train_size=15, test_size=3, tokenizer=tok, progress=False)
+    for split in a: assert a[split].read_bytes() == b[split].read_bytes()
+
+
+def test_bad_files_and_arguments(tmp_path, tok):
+    paths = curate(tmp_path, seed=1, train_size=4, test_size=1, tokenizer=tok, progress=False)
+    with pytest.raises(FileNotFoundError, match='ragen_nb data'): load_split(tmp_path/'missing.parquet')
+    table = pq.read_table(paths['train']).drop_columns(['room'])
+    pq.write_table(table, tmp_path/'no_room.parquet')
+    with pytest.raises(ValueError, match=r"lacks columns \['room'\]"): load_split(tmp_path/'no_room.parquet')
+    (tmp_path/'cut.parquet').write_bytes(paths['train'].read_bytes()[:100])
+    with pytest.raises(ValueError, match='not a readable parquet'): load_split(tmp_path/'cut.parquet')
+    with pytest.raises(ValueError, match='num_boxes'): load_split(paths['train'], EnvSettings(num_boxes=2))
+    with pytest.raises(ValueError, match='prefix'): curate(tmp_path, prefix='chatml', tokenizer=tok)
+
+
+def test_followup_continues_the_chat_template(tok):
+    "Prompt + reply + eos + follow-up equals the template's own rendering of the whole chat."
+    room, reply = '#####\n#P_O#\n#####', '<answer>Up</answer>'
+    message = observation_message(room, reward=-0.1)
+    turn_by_turn = render_prompt(tok, room, prefilled=False) + reply + tok.eos_token + followup_text(tok, message, prefilled=False)
+    from ragen_nb.data import first_message
+    whole = tok.apply_chat_template([{'role': 'user', 'content': first_message(room)},
+                                     {'role': 'assistant', 'content': reply},
+                                     {'role': 'user', 'content': message}], add_generation_prompt=True, tokenize=False)
+    assert turn_by_turn == whole
