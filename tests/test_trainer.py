@@ -1,0 +1,453 @@
+"Trainer: settings and their checks, the critic's alignment and causality, and one PPO step on a tiny model."
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from ragen_nb.advantages import gae, whiten
+from ragen_nb.masking import collate, forward_logprobs, masked_mean
+from ragen_nb.models import load_tokenizer, tiny_model
+from ragen_nb.ppo import entropy_from_logits
+from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
+from ragen_nb.trainer import METRICS, Config, ValueModel, forward_values, make_optimizers, ppo_step
+
+README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30, micro_batch_size=1,
+              train_batch_size=128, ppo_batch_size=64, max_start_length=400, max_response_length=100, max_obs_length=120,
+              max_turns=5, num_update_per_roll=1, gcp=True, n_gpus=1, rollout_tp_size=1, gamma=1.0, lam=1.0,
+              actor_lr=1e-6, critic_lr=1e-5, clip_ratio=0.2, value_clip=0.5, entropy_coef=0.001, kl_coef=0.001,
+              temperature=1.0)
+
+
+@pytest.fixture(scope='module')
+def tok(): return load_tokenizer()
+
+
+def episode(tok, answer, reward, seed):
+    "Two LLM turns answering `answer`, env feedback between them, total reward `reward`."
+    t = Trajectory(seed=seed).add(tok.encode('Push the box onto the target.'), PROMPT, 0)
+    response = tok.encode(f'<answer>{answer}</answer>')
+    t.add(response, LLM, 1, [-1.0] * len(response)).add(tok.encode('\nState:\n#P_O#\n'), ENV, 1)
+    t.add(response, LLM, 2, [-1.0] * len(response))
+    t.rewards = [0., reward]
+    return t
+
+
+def cfg_for(n, **kw):
+    args = [f'TRAIN_BATCH_SIZE={n}', f'PPO_BATCH_SIZE={n}', f'MICRO_BATCH_SIZE={n}', 'KL_COEF=0']
+    return Config.from_args(args + [f'{k}={v}' for k, v in kw.items()])
+
+
+# --- Config ---------------------------------------------------------------------------------------------------------
+
+def test_defaults_are_ragens():
+    c = Config()
+    assert {k: getattr(c, k) for k in README} == README
+
+
+def test_from_args_converts_and_accepts_both_spellings():
+    c = Config.from_args(['DIM_X=7', 'dim_y=8', '--max-turns=3', 'GCP=false', 'gamma=0.99', 'LOG_MODE="[\'wandb\']"',
+                          'BASE_MODEL=Qwen/Qwen2.5-0.5B-Instruct', 'TRAIN_BATCH_SIZE=8', 'PPO_BATCH_SIZE=4'])
+    assert (c.dim_x, c.dim_y, c.max_turns, c.gcp, c.gamma, c.log_mode, c.base_model) == \
+        (7, 8, 3, False, 0.99, 'wandb', 'Qwen/Qwen2.5-0.5B-Instruct')
+    assert type(c.gamma) is float and type(c.dim_x) is int and c.gcp is False
+    assert Config.from_args(['GCP=1']).gcp is True
+    assert Config.from_args([]) == Config()
+
+
+@pytest.mark.parametrize('args, name', [
+    (['TRAIN_BACH_SIZE=8'], 'TRAIN_BACH_SIZE'),                      # unknown key
+    (['MAX_TURNS=five'], 'MAX_TURNS'),                               # not an int
+    (['ACTOR_LR=fast'], 'ACTOR_LR'),                                 # not a number
+    (['GCP=maybe'], 'GCP'),                                          # not a bool
+    (['DIM_X'], 'KEY=value'),                                        # no '='
+    (['PPO_BATCH_SIZE=48'], 'ppo_batch_size'),                       # 48 does not divide 128
+    (['PPO_BATCH_SIZE=4', 'MICRO_BATCH_SIZE=3'], 'micro_batch_size'),
+    (['MICRO_BATCH_SIZE=0'], 'micro_batch_size'),
+    (['N_GPUS=2', 'ROLLOUT_TP_SIZE=4'], 'rollout_tp_size'),
+    (['NUM_BOXES=0'], 'num_boxes'),                                  # checked by EnvSettings
+    (['DIM_X=2'], 'dim_x'),
+    (['GAMMA=1.5'], 'gamma'),
+    (['CLIP_RATIO=0'], 'clip_ratio'),
+    (['LOG_MODE=tensorboard'], 'log_mode'),
+])
+def test_bad_settings_name_the_setting(args, name):
+    with pytest.raises(ValueError, match=name): Config.from_args(args)
+
+
+def test_from_env_reads_only_ragens_variables_and_args_win():
+    from ragen_nb.trainer import RAGEN_ENV_VARS
+    environ = {'DIM_X': '7', 'LOG_MODE': "['wandb']", 'GCP': 'False', 'TRAIN_BATCH_SIZE': '32', 'PPO_BATCH_SIZE': '16',
+               'SEED': '5', 'GAMMA': '0.5', 'HOME': '/root'}
+    c = Config.from_env(['PPO_BATCH_SIZE=8'], environ=environ)
+    assert (c.dim_x, c.log_mode, c.gcp, c.train_batch_size, c.ppo_batch_size, c.seed, c.gamma) == \
+        (7, 'wandb', False, 32, 8, 0, 1.0)
+    assert len(RAGEN_ENV_VARS) == 20 and all(hasattr(c, k.lower()) for k in RAGEN_ENV_VARS)
+    with pytest.raises(ValueError, match='MAX_TURNS'): Config.from_env(environ={'MAX_TURNS': 'x'})
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ValueError, match='train_batch_size'): Config(train_batch_size='8')
+    with pytest.raises(ValueError, match='ppo_batch_size'): Config(train_batch_size=10, ppo_batch_size=4)
+
+
+# --- ValueModel -----------------------------------------------------------------------------------------------------
+
+def test_values_read_from_previous_position_and_are_causal(tok):
+    actor = tiny_model(tok)
+    critic = ValueModel.from_causal_lm(actor, seed=1)
+    ids = torch.randint(0, len(tok), (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = critic(ids)
+        hidden = actor.model(input_ids=ids).last_hidden_state          # the actor's trunk = the critic's at the start
+        expected = hidden @ critic.head.weight[0] + critic.head.bias    # independent head application
+    assert v.shape == (3, 10) and v.dtype == torch.float32
+    assert torch.equal(v[:, 0], torch.zeros(3))
+    torch.testing.assert_close(v[:, 1:], expected[:, :-1], atol=1e-6, rtol=1e-5)
+    for t in range(1, 10):
+        changed = ids.clone()
+        changed[:, t:] = torch.randint(0, len(tok), changed[:, t:].shape, generator=torch.Generator().manual_seed(t))
+        with torch.no_grad(): w = critic(changed)
+        torch.testing.assert_close(w[:, :t + 1], v[:, :t + 1], atol=1e-6, rtol=1e-5)
+        if t + 1 < 10: assert (w[:, t + 1] - v[:, t + 1]).abs().min() > 1e-7   # token t is in the state of token t+1
+
+
+def test_critic_is_an_independent_copy_of_the_actor_trunk(tok, tmp_path):
+    actor = tiny_model(tok)
+    critic = ValueModel.from_causal_lm(actor)
+    with torch.no_grad(): critic.trunk.embed_tokens.weight.add_(1.)
+    assert not torch.equal(critic.trunk.embed_tokens.weight, actor.model.embed_tokens.weight)
+    actor.save_pretrained(tmp_path)
+    loaded = ValueModel.from_pretrained(str(tmp_path), device='cpu')
+    for k, p in actor.model.state_dict().items(): assert torch.equal(loaded.trunk.state_dict()[k], p), k
+    assert torch.equal(loaded.head.weight, ValueModel.from_causal_lm(actor).head.weight)   # same seed, same head
+
+
+def test_forward_values_zero_on_padding(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down now please', -1., 1)]
+    b = collate(trajs, tok.pad_token_id)
+    with torch.no_grad(): v = forward_values(ValueModel.from_causal_lm(tiny_model(tok)), b)
+    assert (v[b.attention_mask == 0] == 0).all() and (v[b.attention_mask == 1][1:] != 0).any()
+
+
+# --- ppo_step -------------------------------------------------------------------------------------------------------
+
+def actor_delta(tok, trajs, micro):
+    "Weight change of the actor after one ppo_step with SGD(lr=1), one minibatch, micro-batches of `micro` rows."
+    cfg = cfg_for(len(trajs), MICRO_BATCH_SIZE=micro, GRAD_CLIP=1e9)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    start = torch.nn.utils.parameters_to_vector(actor.parameters()).detach().clone()
+    ppo_step(trajs, actor, critic, torch.optim.SGD(actor.parameters(), lr=1.), torch.optim.SGD(critic.parameters(), lr=1.),
+             cfg, tok.pad_token_id)
+    return torch.nn.utils.parameters_to_vector(actor.parameters()).detach() - start
+
+
+def test_micro_batches_give_the_full_batch_gradient(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down now please, quickly', -1., 1),
+             episode(tok, 'Left', 0.5, 2), episode(tok, 'Right', -2., 3)]
+    assert len({sum(s == LLM for s in t.sources) for t in trajs}) > 1     # uneven token counts: weighting matters
+    full, one, two = actor_delta(tok, trajs, 4), actor_delta(tok, trajs, 1), actor_delta(tok, trajs, 2)
+    torch.testing.assert_close(one, full, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(two, full, atol=1e-6, rtol=1e-4)
+    # independent reference: at ratio 1 the gradient is that of masked_mean(-A * logp) - entropy_coef * entropy
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    b = collate(trajs, tok.pad_token_id)
+    with torch.no_grad():
+        adv, _ = gae(b.token_rewards, forward_values(critic, b), b.loss_mask)
+        adv = whiten(adv, b.loss_mask)
+    logits = actor(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+    lp = forward_logprobs(actor, b)
+    loss = masked_mean(-adv * lp, b.loss_mask) - 0.001 * masked_mean(entropy_from_logits(logits), b.loss_mask)
+    grads = torch.autograd.grad(loss, list(actor.parameters()))
+    torch.testing.assert_close(full, -torch.cat([g.flatten() for g in grads]), atol=1e-6, rtol=1e-4)
+
+
+def test_positive_advantage_tokens_become_more_likely(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1), episode(tok, 'Up', 1., 2), episode(tok, 'Down', -1., 3)]
+    cfg = Config.from_args(['TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'ACTOR_LR=1e-3',
+                            'CRITIC_LR=1e-3', 'KL_COEF=0', 'NUM_UPDATE_PER_ROLL=2'])
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    b = collate(trajs, tok.pad_token_id)
+    with torch.no_grad(): before = forward_logprobs(actor, b)
+    metrics = ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
+    with torch.no_grad(): after = forward_logprobs(actor, b)
+    good = b.loss_mask.bool() & (b.token_rewards.sum(-1, keepdim=True) > 0)
+    bad = b.loss_mask.bool() & (b.token_rewards.sum(-1, keepdim=True) < 0)
+    assert (after - before)[good].mean() > 0 > (after - before)[bad].mean()
+    assert list(metrics) == list(METRICS)
+    assert metrics['score/mean'] == 0 and metrics['actor/approx_kl'] > 0 and metrics['response/llm_tokens'] == 14
+    assert not actor.training and not critic.training
+
+
+def test_nonfinite_loss_raises_and_leaves_weights_and_optimizers_alone(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', float('nan'), 1)]
+    cfg = cfg_for(2, MICRO_BATCH_SIZE=1)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    actor_opt, critic_opt = make_optimizers(actor, critic, cfg)
+    a0, c0 = copy.deepcopy(actor.state_dict()), copy.deepcopy(critic.state_dict())
+    with pytest.raises(FloatingPointError, match='step 7'):
+        ppo_step(trajs, actor, critic, actor_opt, critic_opt, cfg, tok.pad_token_id, step=7)
+    assert all(torch.equal(v, actor.state_dict()[k]) for k, v in a0.items())
+    assert all(torch.equal(v, critic.state_dict()[k]) for k, v in c0.items())
+    assert len(actor_opt.state) == len(critic_opt.state) == 0
+    assert all(p.grad is None for p in list(actor.parameters()) + list(critic.parameters()))
+
+
+def test_nonfinite_gradient_raises(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
+    cfg = cfg_for(2)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    actor_opt, critic_opt = make_optimizers(actor, critic, cfg)
+    actor.model.norm.weight.register_hook(lambda g: g * float('inf'))    # finite loss, infinite gradient
+    w0 = actor.lm_head.weight.detach().clone()
+    with pytest.raises(FloatingPointError, match='step 3: non-finite gradient'):
+        ppo_step(trajs, actor, critic, actor_opt, critic_opt, cfg, tok.pad_token_id, step=3)
+    assert torch.equal(actor.lm_head.weight, w0) and len(actor_opt.state) == 0
+
+
+def test_kl_coef_needs_a_reference(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
+    cfg = Config.from_args(['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'KL_COEF=0.001'])
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    with pytest.raises(ValueError, match='ref'):
+        ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
+    metrics = ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id, ref=tiny_model(tok))
+    assert metrics['actor/kl_ref'] == pytest.approx(0, abs=1e-6)      # the reference is the starting actor
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(tok, tmp_path):
+    from ragen_nb.models import load_model
+    from ragen_nb.trainer import load_training_state, save_checkpoint
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
+    cfg = cfg_for(2, ACTOR_LR=1e-3, CRITIC_LR=1e-3)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    opts = make_optimizers(actor, critic, cfg)
+    ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=0)
+    path = save_checkpoint(tmp_path, 1, actor, critic, *opts, tok, cfg)
+    expected_rand = torch.rand(3)
+    ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=1)
+    vec = torch.nn.utils.parameters_to_vector
+
+    def resumed(restore):
+        a, c = load_model(str(path), device='cpu'), ValueModel.from_pretrained(str(path), device='cpu')
+        o = make_optimizers(a, c, cfg)
+        if restore: assert load_training_state(path, *o) == 1
+        ppo_step(trajs, a, c, *o, cfg, tok.pad_token_id, step=1)
+        return a, c
+
+    a, c = resumed(True)
+    assert torch.equal(torch.rand(3), expected_rand)                      # RNG restored
+    torch.testing.assert_close(vec(a.parameters()), vec(actor.parameters()), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vec(c.parameters()), vec(critic.parameters()), atol=1e-6, rtol=1e-5)
+    a, _ = resumed(False)                                                 # without Adam's state the run diverges
+    assert (vec(a.parameters()) - vec(actor.parameters())).abs().max() > 1e-4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_1']
+
+
+def test_save_is_atomic_and_replaces(tok, tmp_path, monkeypatch):
+    from ragen_nb.trainer import STATE_FILE, load_training_state, save_checkpoint
+    cfg = cfg_for(2)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    opts = make_optimizers(actor, critic, cfg)
+    path = save_checkpoint(tmp_path, 5, actor, critic, *opts)
+    assert (path/'actor'/'config.json').exists() and (path/'critic'/'value_head.safetensors').exists()
+    with torch.no_grad(): actor.lm_head.weight.add_(1.)
+    def boom(*a, **k): raise OSError('disk full')
+    monkeypatch.setattr(torch, 'save', boom)
+    with pytest.raises(OSError, match='disk full'): save_checkpoint(tmp_path, 6, actor, critic, *opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5']   # no global_step_6, no temp folder
+    monkeypatch.undo()
+    save_checkpoint(tmp_path, 5, actor, critic, *opts)                          # overwrite in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5']
+    from ragen_nb.models import load_model
+    torch.testing.assert_close(load_model(str(path), device='cpu').lm_head.weight, actor.lm_head.weight)
+    (path/STATE_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match='save_checkpoint'): load_training_state(path, *opts)
+
+
+# --- with the rollout -----------------------------------------------------------------------------------------------
+
+def test_rollout_config_matches_ragen_limits():
+    from ragen_nb.rollout import RolloutConfig
+    assert Config().rollout_config() == RolloutConfig()       # 04's defaults are RAGEN's limits too: 400 + 5·101 + 4·120
+    r = Config.from_args(['MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=8', 'TEMPERATURE=0.7']).rollout_config()
+    assert (r.max_turns, r.max_response_length, r.temperature, r.max_context_length) == (2, 8, 0.7, 400 + 2 * 9 + 120)
+
+
+def test_step_on_rollouts_recomputes_the_sampler_logprobs(tok):
+    from ragen_nb.rollout import HFEngine, rollout
+    cfg = Config.from_args(['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2',
+                            'MAX_RESPONSE_LENGTH=6', 'KL_COEF=0', 'TEMPERATURE=0.7'])
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    trajs = rollout(HFEngine(actor, tok), tok, [0, 1], cfg.env_settings, cfg.rollout_config(), seed=0)
+    metrics = ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
+    assert metrics['actor/sampler_gap'] < 1e-4
+    assert metrics['score/mean'] == pytest.approx(sum(t.total_reward for t in trajs) / 2)
+    # at the wrong temperature the recomputed logprobs no longer match the sampler's: the metric can fail
+    hot = dataclasses.replace(cfg, temperature=1.0)
+    assert ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, hot), hot, tok.pad_token_id)['actor/sampler_gap'] > 1e-2
+
+
+# --- the training loop ----------------------------------------------------------------------------------------------
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ragen_nb.trainer as trainer
+from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, config_help, latest_checkpoint, room_seeds, train,
+                              train_main)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
+            'DATA_DIR=/nonexistent', 'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3']
+
+
+@pytest.fixture(scope='module')
+def tiny_dir(tok, tmp_path_factory):
+    "A tiny random model saved as a folder, so BASE_MODEL can point at it."
+    d = tmp_path_factory.mktemp('tiny')
+    tiny_model(tok).save_pretrained(d); tok.save_pretrained(d)
+    return d
+
+
+def run_args(tiny_dir, out, name, *extra):
+    return [f'BASE_MODEL={tiny_dir}', f'OUTPUT_DIR={out}', f'EXPERIMENT_NAME={name}', *TINY_RUN, *extra]
+
+
+def read_metrics(run):
+    return [json.loads(l) for l in (Path(run)/'metrics.jsonl').read_text().splitlines()]
+
+
+def untimed(record):
+    return {k: v for k, v in record.items() if not k.startswith(('timing/', 'perf/'))}
+
+
+def test_batch_seeds_cover_each_epoch_once_and_depend_on_the_step_only():
+    seeds = list(range(100, 107))
+    flat = sum((batch_seeds(seeds, k, 3, seed=5) for k in range(1, 8)), [])    # 21 = 3 epochs of 7
+    for e in range(3): assert sorted(flat[7 * e:7 * e + 7]) == seeds
+    assert flat[:7] != flat[7:14]                                            # each epoch is its own shuffle
+    assert batch_seeds(seeds, 4, 3, seed=5) == flat[9:12]
+    assert batch_seeds(seeds, 1, 3, seed=6) != flat[:3] or batch_seeds(seeds, 2, 3, seed=6) != flat[3:6]
+
+
+def test_room_seeds_read_the_curated_files_and_check_their_settings(tok, tmp_path):
+    from ragen_nb.data import curate
+    from ragen_nb.sokoban import EnvSettings
+    curate(tmp_path, seed=500, train_size=3, test_size=2, settings=EnvSettings(6, 6, 1, 5, 30), tokenizer=tok, progress=False)
+    assert room_seeds(Config(data_dir=str(tmp_path))) == {'train': [500, 501, 502], 'test': [503, 504]}
+    with pytest.raises(ValueError, match='settings'): room_seeds(Config(data_dir=str(tmp_path), max_steps=7))
+    assert room_seeds(Config(data_dir=str(tmp_path/'none')))['test'] == list(range(20000, 20010))
+
+
+def test_log_mode_takes_ragens_list_spelling():
+    assert Config.from_args(["LOG_MODE=['console','wandb']"]).log_mode == 'console,wandb'
+    assert Config.from_args(['LOG_MODE=wandb, console']).log_mode == 'wandb,console'
+    with pytest.raises(ValueError, match='log_mode'): Config.from_args(['LOG_MODE=console,tensorboard'])
+
+
+def test_gradient_checkpointing_leaves_the_update_unchanged(tok):
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
+    cfg = cfg_for(2, ACTOR_LR=1e-3, CRITIC_LR=1e-3)
+    after = []
+    for gcp in (False, True):
+        actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+        if gcp:
+            for m in (actor, critic.trunk): m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
+        after.append(torch.nn.utils.parameters_to_vector(list(actor.parameters()) + list(critic.parameters())))
+    assert actor.model.gradient_checkpointing
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
+
+
+def test_open_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
+    path = tmp_path/'metrics.jsonl'
+    path.write_text(''.join(json.dumps({'step': s, 'x': s / 3}) + '\n' for s in (1, 2, 3)) + '{"step": 4, "x')
+    with trainer._open_metrics(path, 2) as f: f.write(json.dumps({'step': 3, 'x': -1}) + '\n')
+    assert read_metrics(tmp_path) == [{'step': 1, 'x': 1 / 3}, {'step': 2, 'x': 2 / 3}, {'step': 3, 'x': -1}]
+
+
+CRASH = """
+import os, sys
+import ragen_nb.trainer as t
+real = t.save_checkpoint
+def save_then_die(folder, step, *args, **kwargs):
+    if step == 2: os._exit(17)              # killed after writing step 2's metrics, before its checkpoint
+    return real(folder, step, *args, **kwargs)
+t.save_checkpoint = save_then_die
+sys.exit(t.train_main(sys.argv[1:]))
+"""
+
+
+def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp_path):
+    env = {**os.environ, 'PYTHON': sys.executable}
+    for k in trainer.RAGEN_ENV_VARS: env.pop(k, None)
+    steps = ['TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=2']
+    # the uninterrupted run, through train.sh
+    done = subprocess.run(['bash', str(ROOT/'train.sh'), *run_args(tiny_dir, tmp_path, 'whole', *steps)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    whole = read_metrics(tmp_path/'whole')
+    assert [r['step'] for r in whole] == [1, 2, 3] and set(whole[1]) == set(TRAIN_METRICS)
+    assert latest_checkpoint(tmp_path/'whole').name == 'global_step_3'
+    # the same run, killed hard in step 2: the line of step 2 is written, its checkpoint is not
+    crashed = subprocess.run([sys.executable, '-c', CRASH, *run_args(tiny_dir, tmp_path, 'crash', *steps)], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    cut = read_metrics(tmp_path/'crash')
+    assert [r['step'] for r in cut] == [1, 2] and latest_checkpoint(tmp_path/'crash').name == 'global_step_1'
+    # reproducibility: same seed, another process, same numbers
+    assert [untimed(r) for r in cut] == [untimed(r) for r in whole[:2]]
+    # resumed: step 2 is redone from global_step_1 and the file continues as if nothing happened
+    assert train_main(run_args(tiny_dir, tmp_path, 'crash', *steps, 'RESUME=True')) == 0
+    resumed = read_metrics(tmp_path/'crash')
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
+    assert resumed[0] == cut[0]                                              # the line before the checkpoint is intact
+    from safetensors.torch import load_file
+    a, b = (load_file(tmp_path/run/'global_step_3'/'actor'/'model.safetensors') for run in ('whole', 'crash'))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_new_run_refuses_a_used_folder(tiny_dir, tmp_path, capsys):
+    (tmp_path/'used').mkdir(); (tmp_path/'used'/'metrics.jsonl').write_text('')
+    assert train_main(run_args(tiny_dir, tmp_path, 'used')) == 2
+    assert 'RESUME=True' in capsys.readouterr().err
+
+
+def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkeypatch):
+    real = trainer.ppo_step
+    def nan_at_step_2(trajs, *args, **kwargs):
+        if args[-2] == 2: raise FloatingPointError('step 2: non-finite loss (pg_loss=nan, vf_loss=nan).')
+        return real(trajs, *args, **kwargs)
+    monkeypatch.setattr(trainer, 'ppo_step', nan_at_step_2)
+    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0'))
+    out = train(cfg, progress=False)
+    assert out['steps'] == 1 and 'step 2' in out['error'] and out['checkpoint'].endswith('global_step_1')
+    assert [r['step'] for r in read_metrics(out['run'])] == [1]
+    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['global_step_1', 'metrics.jsonl']
+    assert train_main(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0',
+                               'RESUME=True')) == 1
+
+
+def test_a_broken_wandb_warns_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatch):
+    class Broken:
+        def init(self, **kwargs): raise RuntimeError('no wandb here')
+    monkeypatch.setitem(sys.modules, 'wandb', Broken())
+    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'wb', 'TOTAL_STEPS=1', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'LOG_MODE=wandb'))
+    with pytest.warns(UserWarning, match='wandb did not start'): out = train(cfg, progress=False)
+    assert out['error'] is None and len(read_metrics(out['run'])) == 1
+
+
+def test_help_lists_every_setting_with_default_and_env_var(capsys):
+    assert train_main(['--help']) == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(Config): assert f'{f.name.upper()}={f.default}' in text
+    settings = text.splitlines()[2:]
+    assert len(settings) == len(dataclasses.fields(Config)) and all(len(l.split(None, 1)) == 2 for l in settings)   # each has a doc
+    assert 'TRAIN_BATCH_SIZE=128' in text and '[env TRAIN_BATCH_SIZE]' in text and '[env SEED]' not in text
+    assert train_main(['TRAIN_BACH_SIZE=8']) == 2
