@@ -10,7 +10,8 @@ __all__ = ['EMBEDDED', 'GGUF_PACKAGE', 'GGUF_FILE', 'default_device', 'default_d
 import os, shutil, tempfile, importlib.util
 from pathlib import Path
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
 # %% ../nbs/02_models.ipynb #e6f50a19
 def default_device() -> torch.device:
@@ -81,7 +82,11 @@ def load_tokenizer(name: str = EMBEDDED):
 def load_model(name: str = EMBEDDED, dtype=None, device=None):
     "A causal LM for `name` on `device` (default: `default_device()`) in `dtype` (default: `default_dtype`), in eval mode."
     device = torch.device(device) if device is not None else default_device()
-    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype or default_dtype(device))
+    path, bar = resolve(name), hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading takes seconds; a bar per load only clutters notebooks and logs
+    try: model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device))
+    finally:
+        if bar: hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #1d394422
