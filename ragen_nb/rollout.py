@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['OPEN', 'CLOSE', 'NAMES', 'CUT_MARKER', 'parse_action', 'truncate_after_answer', 'HFEngine', 'RolloutConfig',
-           'env_reply', 'rollout', 'ScriptedEngine']
+           'env_reply', 'rollout', 'ScriptedEngine', 'episode_metrics']
 
 # %% ../nbs/04_rollout.ipynb #6041cacf
 import bisect, re
@@ -209,3 +209,12 @@ class ScriptedEngine:
         "For each prompt, the scripted reply's ids (at most `max_new_tokens`) and zero logprobs."
         outs = [self.tokenizer.encode(self.reply(self.tokenizer.decode(p)), add_special_tokens=False)[:max_new_tokens] for p in prompts]
         return [(ids, [0.0] * len(ids)) for ids in outs]
+
+# %% ../nbs/04_rollout.ipynb #5d0d4775
+def episode_metrics(trajs: list[Trajectory]) -> dict:
+    "success_rate, valid_action_rate, mean_reward and mean_turns over a list of trajectories."
+    turns = [a for t in trajs for a in t.actions]
+    return dict(success_rate=sum(t.success for t in trajs) / len(trajs),
+                valid_action_rate=sum(a is not None for a in turns) / max(len(turns), 1),
+                mean_reward=sum(t.total_reward for t in trajs) / len(trajs),
+                mean_turns=len(turns) / len(trajs))

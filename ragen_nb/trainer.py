@@ -363,7 +363,7 @@ import inspect, json, re, sys, time, warnings
 from tqdm import tqdm
 from .data import SPLITS, load_split, split_seeds
 from .models import load_model, load_tokenizer
-from .rollout import HFEngine, rollout
+from .rollout import HFEngine, rollout, episode_metrics
 from .tokens import LLM
 
 # %% ../nbs/09_trainer.ipynb #tr0003
@@ -464,7 +464,6 @@ def train(cfg: Config, progress: bool = True) -> dict:
     actor_opt, critic_opt = make_optimizers(actor, critic, cfg)
     done = load_training_state(checkpoint, actor_opt, critic_opt) if checkpoint else 0
     if not checkpoint: random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
-    from ragen_nb.cli import episode_metrics   # lazy: the CLI imports this module
     seeds, settings, engine = room_seeds(cfg), cfg.env_settings, HFEngine(actor, tok)
     train_rollout = cfg.rollout_config(); val_rollout = dataclasses.replace(train_rollout, temperature=0.0)
     log, wandb_run, record, error = _open_metrics(run/'metrics.jsonl', done), _start_wandb(cfg, run), {}, None
