@@ -8,9 +8,8 @@ __all__ = ['TEMPLATES', 'RULES', 'ANSWER_ONLY', 'THINK_FIRST', 'SPLITS', 'COLUMN
            'load_split']
 
 # %% ../nbs/01_data.ipynb #6d31dedf
-import json, hashlib, dataclasses
+import dataclasses
 from pathlib import Path
-import numpy as np
 import pyarrow as pa, pyarrow.parquet as pq
 from tqdm.auto import tqdm
 from .sokoban import EnvSettings, generate_room, render_text, room_from_text, solve, ACTIONS

@@ -1,7 +1,7 @@
 "The `ragen_nb` command: help that helps, and `eval` end to end on a small saved model."
 import subprocess, sys
 import pytest
-from ragen_nb.cli import main, parser
+from ragen_nb.cli import parser
 from ragen_nb.models import load_tokenizer, tiny_model
 
 

@@ -1,7 +1,6 @@
 "Loader behaviour that the notebook does not show: checkpoint folders, missing wheel, cache reuse."
 import importlib.util, subprocess, sys, time
 import pytest, torch
-from ragen_nb import models
 from ragen_nb.models import EMBEDDED, load_model, load_tokenizer, resolve, tiny_model
 
 

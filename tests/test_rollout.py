@@ -3,7 +3,7 @@ import functools, json, re, subprocess, sys
 import pytest, torch
 from hypothesis import given, settings, strategies as st
 from ragen_nb.models import load_tokenizer, load_model, tiny_model
-from ragen_nb.tokens import PROMPT, LLM, ENV, Trajectory
+from ragen_nb.tokens import LLM, ENV
 from ragen_nb.sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text, solve
 from ragen_nb.data import render_prompt, first_message, followup_text, observation_message
 from ragen_nb.rollout import (parse_action, truncate_after_answer, HFEngine, ScriptedEngine, RolloutConfig, rollout,

@@ -299,7 +299,7 @@ import sys
 from pathlib import Path
 
 import ragen_nb.trainer as trainer
-from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, config_help, latest_checkpoint, room_seeds, train,
+from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, latest_checkpoint, room_seeds, train,
                               train_main)
 
 ROOT = Path(__file__).resolve().parents[1]
