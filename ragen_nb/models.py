@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'GGUF_PACKAGE', 'GGUF_FILE', 'default_device', 'default_dtype', 'cache_dir', 'embedded_gguf',
-           'embedded_path', 'resolve', 'load_tokenizer', 'load_model', 'tiny_model']
+           'embedded_path', 'resolve', 'load_tokenizer', 'quiet_hf_bars', 'load_model', 'tiny_model']
 
 # %% ../nbs/02_models.ipynb #ad9d7dff
 import os, shutil, tempfile, importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -79,14 +80,19 @@ def load_tokenizer(name: str = EMBEDDED):
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     return tok
 
+@contextmanager
+def quiet_hf_bars():
+    "Hide transformers' progress bars (loading, writing shards) inside the block: they take seconds and clutter notebooks and logs."
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if bar: hf_logging.enable_progress_bar()
+
 def load_model(name: str = EMBEDDED, dtype=None, device=None):
     "A causal LM for `name` on `device` (default: `default_device()`) in `dtype` (default: `default_dtype`), in eval mode."
     device = torch.device(device) if device is not None else default_device()
-    path, bar = resolve(name), hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # loading takes seconds; a bar per load only clutters notebooks and logs
-    try: model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device))
-    finally:
-        if bar: hf_logging.enable_progress_bar()
+    with quiet_hf_bars(): model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype or default_dtype(device))
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #1d394422
