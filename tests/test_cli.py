@@ -32,3 +32,19 @@ def test_eval_prints_a_table_for_a_saved_model(tmp_path):
     assert [row.split()[:2] for row in rows] == [['qwen-instruct', '2'], ['base', '2']]
     # a random model never answers with an action, so every turn of every room is played and penalised
     assert [row.split()[3:6] for row in rows] == [['0.000', '-0.200', '2.000']] * 2
+
+
+def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypatch):
+    import ragen_nb.cli as cli
+    import ragen_nb.trainer as trainer
+    seen = []
+    monkeypatch.setattr(trainer, 'train_main', lambda argv: seen.append(argv) or 0)
+    assert cli.main(['train-cpu', 'TOTAL_STEPS=3']) == 0 and cli.main(['train', 'TOTAL_STEPS=3']) == 0
+    assert seen == [cli.MAIN_JOB + ['TOTAL_STEPS=3'], ['TOTAL_STEPS=3']]
+    cfg = trainer.Config.from_args(seen[0])                                  # valid, and the user's setting wins
+    assert cfg.total_steps == 3 and cfg.lora_rank > 0 and cfg.critic == 'shared'
+
+
+def test_train_cpu_help_shows_its_settings_and_every_key():
+    r = run('train-cpu', '--help')
+    assert r.returncode == 0 and 'LORA_RANK=16' in r.stdout and 'TRAIN_BATCH_SIZE=128' in r.stdout

@@ -19,5 +19,5 @@ def test_readme_lists_every_notebook():
 
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT/'README.md').read_text()
-    command = re.search(r'^(bash \.ci/setup && \.venv/bin/nbdev_test.*)$', readme, re.M).group(1)
+    command = re.search(r'^(bash \.ci/setup && .*nbdev_test.*)$', readme, re.M).group(1)
     assert command in (ROOT/'.ci'/'run').read_text()
