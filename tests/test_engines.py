@@ -67,8 +67,7 @@ def engine(actor):
     pytest.importorskip('vllm')
     torch.manual_seed(123); random.seed(123); np.random.seed(123)
     STARTUP['before'] = rng_states()
-    made = make_engine('vllm', actor, tokenizer(), resolve(EMBEDDED), enforce_eager=True, max_model_len=2048,
-                       gpu_memory_utilization=0.15)
+    made = make_engine('vllm', actor, tokenizer(), resolve(EMBEDDED), enforce_eager=True, max_model_len=2048)
     STARTUP['after'] = rng_states()
     return made
 
