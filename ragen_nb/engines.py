@@ -8,7 +8,7 @@ __all__ = ['vllm_available', 'hf_weights', 'VLLMEngine', 'make_engine', 'logprob
 # %% ../nbs/08_vllm.ipynb #959fc8c5
 import importlib.util, os, random, time
 import numpy as np, torch
-from .rollout import HFEngine, truncate_after_answer, CLOSE
+from .rollout import HFEngine, check_sampling, truncate_after_answer, CLOSE
 
 # %% ../nbs/08_vllm.ipynb #48af6e6f
 def vllm_available() -> bool:
@@ -61,8 +61,7 @@ class VLLMEngine:
         "For each prompt (a list of ids), the new ids and their logprobs under the model at `temperature`."
         from vllm import SamplingParams
         if not prompts: return []
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f'need max_new_tokens >= 1, temperature >= 0 and 0 < top_p <= 1; got {max_new_tokens}, {temperature}, {top_p}')
+        check_sampling(max_new_tokens, temperature, top_p)
         eos = self.tokenizer.eos_token_id
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0,
                                  seed=None if seed is None else _row_seed(seed, row), stop_token_ids=[eos],
