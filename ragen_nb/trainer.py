@@ -93,6 +93,7 @@ class Config:
     lora_alpha: int = 32  # LoRA scale numerator: adapters are scaled by lora_alpha / lora_rank
     rollout_engine: str = 'auto'  # 'hf' (HF generate on the actor), 'vllm' (08, synced after each update) or 'auto' (vllm if installed)
     gpu_memory_utilization: float = 0.3  # share of GPU memory the vLLM engine may reserve (on a CPU it takes a 2 GiB KV cache)
+    enforce_eager: bool = False  # vLLM without torch.compile and CUDA graphs: starts in seconds, decodes slower (08)
     log_images: bool = False  # draw trajectories (PNG + PDF) and append them to rollouts.jsonl (RAGEN's logging.log_images)
     log_image_dir: str = '.log.debug/trajectory'  # images go to log_image_dir/experiment_name (logging.log_image_dir)
     log_image_step_size: int = 10  # draw every this many steps (logging.log_image_step_size)
@@ -163,6 +164,9 @@ class Config:
                              "set VAL_TEMPERATURE > 0 or VAL_SAMPLES=1")
         if self.template not in TEMPLATES: raise ValueError(f"template={self.template!r}: must be one of {TEMPLATES}")
         if self.rollout_engine not in ENGINES: raise ValueError(f"rollout_engine={self.rollout_engine!r}: must be one of {ENGINES}")
+        if self.rollout_engine == 'vllm' and self.rollout_tp_size > 1:
+            raise ValueError(f"rollout_tp_size={self.rollout_tp_size} with rollout_engine='vllm': the engine's weight sync reaches "
+                             "one device only (08); set ROLLOUT_TP_SIZE=1")
         if not 0 < self.gpu_memory_utilization <= 1: raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if self.critic not in CRITICS: raise ValueError(f"critic={self.critic!r}: must be one of {CRITICS}")
         if self.format_penalty > 0: raise ValueError(f"format_penalty={self.format_penalty}: must be <= 0, or invalid answers pay")
@@ -598,10 +602,10 @@ def train(cfg: Config, progress: bool = True) -> dict:
     seeds, settings = room_seeds(cfg), cfg.env_settings
     if cfg.rollout_engine == 'vllm' and acc.num_processes > 1:   # each process would start its own in-process engine
         raise ValueError(f"ROLLOUT_ENGINE=vllm runs in one process; with {acc.num_processes} processes use ROLLOUT_ENGINE=hf")
-    kind = cfg.rollout_engine if acc.num_processes == 1 else 'hf'
+    kind = cfg.rollout_engine if acc.num_processes == 1 and cfg.rollout_tp_size == 1 else 'hf'   # 'auto' falls back to HF
     engine = make_engine(kind, policy, tok, resolve(str(checkpoint or cfg.base_model)), seed=cfg.seed,
                          gpu_memory_utilization=cfg.gpu_memory_utilization if torch.cuda.is_available() else None,
-                         tensor_parallel_size=cfg.rollout_tp_size)
+                         tensor_parallel_size=cfg.rollout_tp_size, enforce_eager=cfg.enforce_eager)
     vllm = isinstance(engine, VLLMEngine)
     train_rollout = cfg.rollout_config()
     log = _open_metrics(run/'metrics.jsonl', done) if main else None

@@ -52,6 +52,10 @@ def test_make_engine_hf_and_bad_kind():
     with pytest.raises(ValueError, match="'hf', 'vllm' or 'auto'"): make_engine('sglang', actor, tok, 'unused')
     if not vllm_available(): assert isinstance(make_engine('auto', actor, tok, 'unused'), HFEngine)
 
+def test_tensor_parallel_engines_are_refused_before_they_start():
+    pytest.importorskip('vllm')
+    with pytest.raises(ValueError, match='tensor_parallel_size=2'): VLLMEngine('unused', tokenizer(), tensor_parallel_size=2)
+
 # ---------------------------------------------------------------- the real engine (one per module)
 @pytest.fixture(scope='module')
 def actor(): return load_model()

