@@ -522,17 +522,16 @@ def latest_checkpoint(run: str | Path) -> Path | None:
              if p.name.rpartition('_')[2].isdigit() and (p/STATE_FILE).exists()]
     return max(found)[1] if found else None
 
-def _open_metrics(path: Path, keep_until: int):
-    "`path` opened for appending, after dropping its lines past step `keep_until` (and a line cut by a crash)."
+def _keep_steps(path: Path, keep_until: int):
+    "Rewrite the JSONL file `path`, if there is one, without its records past step `keep_until` or a line cut by a crash."
+    if not path.exists(): return
     kept = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try: record = json.loads(line)
-            except json.JSONDecodeError: break
-            if record['step'] <= keep_until: kept.append(line + '\n')
+    for line in path.read_text().splitlines():
+        try: record = json.loads(line)
+        except json.JSONDecodeError: break
+        if record['step'] <= keep_until: kept.append(line + '\n')
     tmp = path.with_suffix('.jsonl.tmp')
     tmp.write_text(''.join(kept)); tmp.replace(path)
-    return path.open('a')
 
 def _jsonable(record: dict) -> dict:
     "`record` with non-finite floats as None, so each line is strict JSON."
@@ -608,7 +607,9 @@ def train(cfg: Config, progress: bool = True) -> dict:
                          tensor_parallel_size=cfg.rollout_tp_size, enforce_eager=cfg.enforce_eager)
     vllm = isinstance(engine, VLLMEngine)
     train_rollout = cfg.rollout_config()
-    log = _open_metrics(run/'metrics.jsonl', done) if main else None
+    if main:   # a resumed run's files read as one run: lines past the checkpoint were written by the lost steps
+        for name in ('metrics.jsonl', 'rollouts.jsonl'): _keep_steps(run/name, done)
+    log = (run/'metrics.jsonl').open('a') if main else None
     wandb_run, record, error = _start_wandb(cfg, run) if main else None, {}, None
     bar = tqdm(range(done + 1, cfg.total_steps + 1), initial=done, total=cfg.total_steps, desc=cfg.experiment_name,
                disable=not (progress and main))

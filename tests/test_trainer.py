@@ -302,6 +302,7 @@ from pathlib import Path
 import ragen_nb.trainer as trainer
 from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, latest_checkpoint, room_seeds, train,
                               train_main)
+from ragen_nb.viz import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
@@ -366,11 +367,14 @@ def test_gradient_checkpointing_leaves_the_update_unchanged(tok):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
 
 
-def test_open_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
+def test_keep_steps_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
     path = tmp_path/'metrics.jsonl'
     path.write_text(''.join(json.dumps({'step': s, 'x': s / 3}) + '\n' for s in (1, 2, 3)) + '{"step": 4, "x')
-    with trainer._open_metrics(path, 2) as f: f.write(json.dumps({'step': 3, 'x': -1}) + '\n')
+    trainer._keep_steps(path, 2)
+    with path.open('a') as f: f.write(json.dumps({'step': 3, 'x': -1}) + '\n')
     assert read_metrics(tmp_path) == [{'step': 1, 'x': 1 / 3}, {'step': 2, 'x': 2 / 3}, {'step': 3, 'x': -1}]
+    trainer._keep_steps(tmp_path/'absent.jsonl', 2)
+    assert not (tmp_path/'absent.jsonl').exists()
 
 
 CRASH = """
@@ -388,7 +392,8 @@ sys.exit(t.train_main(sys.argv[1:]))
 def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp_path):
     env = {**os.environ, 'PYTHON': sys.executable}
     for k in trainer.RAGEN_ENV_VARS: env.pop(k, None)
-    steps = ['TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=2']
+    steps = ['TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=1',
+             'LOG_N_IMAGE_PER_BATCH=1', f'LOG_IMAGE_DIR={tmp_path/"img"}']
     # the uninterrupted run, through train.sh
     done = subprocess.run(['bash', str(ROOT/'train.sh'), *run_args(tiny_dir, tmp_path, 'whole', *steps)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -409,6 +414,9 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp
     resumed = read_metrics(tmp_path/'crash')
     assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
     assert resumed[:2] == cut[:2]                                            # the lines up to the checkpoint are intact
+    # rollouts.jsonl too: step 2's trajectory, drawn before the kill, is replaced by the redone step's, not doubled
+    drawn = {run: [(r['step'], r['trajectory']) for r in read_records(tmp_path/run/'rollouts.jsonl')] for run in ('whole', 'crash')}
+    assert [step for step, _ in drawn['whole']] == [1, 2, 3] and drawn['crash'] == drawn['whole']
     from safetensors.torch import load_file
     a, b = (load_file(tmp_path/run/'global_step_3'/'actor'/'model.safetensors') for run in ('whole', 'crash'))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -559,7 +567,6 @@ def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_
 # --- trajectory images and curves ---------------------------------------------------------------------------------------
 
 def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tmp_path):
-    from ragen_nb.viz import read_records
     args = run_args(tiny_dir, tmp_path, 'img', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=1', 'logging.log_images=True',
                     f'logging.log_image_dir={tmp_path/"images"}', 'logging.log_image_step_size=2',
                     'logging.log_n_image_per_batch=1')
