@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
 from ragen_nb.models import tiny_model
-from ragen_nb.ppo import (entropy_from_logits, explained_variance, kl_in_reward, kl_penalty, policy_loss, value_loss)
+from ragen_nb.ppo import (entropy_from_logits, explained_variance, kl_in_reward, kl_loss, kl_penalty, policy_loss, value_loss)
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
 
 D = torch.float64
@@ -113,6 +113,25 @@ def test_explained_variance():
     y, v = returns[mask], values[mask]
     assert explained_variance(values, returns, mask) == pytest.approx(1 - ((y - v).var() / y.var()).item())
     assert math.isnan(explained_variance(values, torch.ones_like(returns), mask))
+    assert math.isnan(explained_variance(values, returns, torch.zeros_like(mask)))
+
+
+def test_explained_variance_is_nan_when_returns_hardly_vary():
+    "The main job's step 2: every episode scored the same and a KL penalty left crumbs; the plain formula gave -9.4e6."
+    g = torch.Generator().manual_seed(1)
+    values, mask = torch.randn(2, 64, generator=g, dtype=D), torch.ones(2, 64, dtype=torch.bool)
+    crumbs = torch.randn(2, 64, generator=g, dtype=D)
+    flat = -2 + 3e-4 * crumbs                                    # std / RMS = 1.5e-4, below the default rtol 1e-3
+    assert 1 - (flat - values).var() / flat.var() < -1e5       # what the formula alone says
+    assert math.isnan(explained_variance(values, flat, mask))
+    assert math.isnan(explained_variance(values, flat.float(), mask))
+    assert math.isnan(explained_variance(values, torch.zeros_like(flat), mask))
+    spread = -2 + 3e-2 * crumbs                                  # std / RMS = 1.5e-2: a real, if small, spread
+    got = explained_variance(values, spread, mask)
+    assert got == pytest.approx(1 - ((spread - values).var() / spread.var()).item())
+    assert explained_variance(values, flat, mask, rtol=1e-5) == pytest.approx(1 - ((flat - values).var() / flat.var()).item())
+    tiny = 1e-9 * values + 1e-11 * crumbs                      # a tiny scale is not "hardly varying"
+    assert explained_variance(1e-9 * values, tiny, mask) == pytest.approx(1 - ((tiny - 1e-9 * values).var() / tiny.var()).item())
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
@@ -138,7 +157,47 @@ def test_kl_estimators():
     exact = (p * (p / q).log()).sum().item()
     for kind in ('k1', 'k3'):
         assert kl_penalty(p.log()[tokens], q.log()[tokens], kind).mean().item() == pytest.approx(exact, abs=0.01)
+    torch.testing.assert_close(kl_penalty(lp, ref, 'k2'), 0.5 * (lp - ref) ** 2)
     with pytest.raises(ValueError, match="'k1'"): kl_penalty(lp, ref, 'mse')
+
+
+def test_kl_loss_is_the_masked_mean():
+    g = torch.Generator().manual_seed(2)
+    lp, ref = torch.randn(3, 7, generator=g, dtype=D), torch.randn(3, 7, generator=g, dtype=D)
+    mask = torch.rand(3, 7, generator=g) < .5
+    for kind in ('k1', 'k2', 'k3'):
+        want = sum(kl_penalty(lp, ref, kind)[mask].tolist()) / mask.sum().item()
+        assert kl_loss(lp, ref, mask, kind).item() == pytest.approx(want)
+    assert kl_loss(lp, ref, mask).item() == pytest.approx(kl_loss(lp, ref, mask, 'k3').item())
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_kl_gradients_through_sampled_tokens(seed):
+    "Exact expectations over a 5-token softmax: k1 in the reward and k2 follow grad KL(pi||ref), k1 as a loss 0, k3 grad KL(ref||pi)."
+    g = torch.Generator().manual_seed(seed)
+    theta0, ref = 0.5 * torch.randn(5, generator=g, dtype=D), (0.5 * torch.randn(5, generator=g, dtype=D)).log_softmax(-1)
+    def grad(f):
+        theta = theta0.clone().requires_grad_()
+        f(theta.log_softmax(-1)).backward()
+        return theta.grad
+    def expected(per_token): return grad(lambda lp: (lp.exp().detach() * per_token(lp)).sum())   # sum_x pi(x) grad loss(x)
+    forward = grad(lambda lp: (lp.exp() * (lp - ref)).sum())
+    reverse = grad(lambda lp: (ref.exp() * (ref - lp)).sum())
+    one = torch.ones(5)
+    in_reward = expected(lambda lp: -kl_in_reward(torch.zeros_like(lp), lp, ref, one, 1.0) * (lp - lp.detach()).exp())
+    torch.testing.assert_close(in_reward, forward)
+    torch.testing.assert_close(expected(lambda lp: kl_penalty(lp, ref, 'k2')), forward)
+    torch.testing.assert_close(expected(lambda lp: kl_penalty(lp, ref, 'k1')), torch.zeros(5, dtype=D))
+    torch.testing.assert_close(expected(lambda lp: kl_penalty(lp, ref, 'k3')), reverse)
+    assert (forward - reverse).abs().max() > 1e-2                # the two KLs' gradients really differ here
+    # the same through kl_loss on sampled tokens, within 5 standard errors
+    tokens = torch.multinomial(theta0.softmax(-1), 100_000, replacement=True, generator=g)[None]
+    theta = theta0.clone().requires_grad_()
+    lp = theta.log_softmax(-1)[tokens]
+    kl_loss(lp, ref[tokens], torch.ones_like(tokens), 'k3').backward()
+    r = (ref - theta0.log_softmax(-1)).exp()
+    terms = (1 - r)[tokens[0], None] * (torch.nn.functional.one_hot(tokens[0], 5) - theta0.softmax(-1))
+    assert ((theta.grad - reverse).abs() <= 5 * terms.std(0) / math.sqrt(tokens.numel()) + 1e-12).all()
 
 
 def test_kl_in_reward_only_on_llm_tokens():
