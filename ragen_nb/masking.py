@@ -84,6 +84,10 @@ def collate(trajs: list[Trajectory],  # trajectories from the rollout
 
 # %% ../nbs/05_masking.ipynb #98a96196
 _COLOURS = {'prompt': COLOURS[PROMPT], 'LLM': COLOURS[LLM], 'env': COLOURS[ENV], 'pad': '#ffffff'}   # as in show_tokens (03)
+_TABLE_CSS = ('<style>.mask-table{border-collapse:collapse;font-size:11px}.mask-table th{text-align:right;padding-right:6px}'
+              '.mask-table td{padding:2px 4px;text-align:center;font-family:monospace;border:1px solid #fff}'
+              '.mask-table td.on{font-weight:bold}' + ''.join(f'.mask-table .{k}{{background:{c}}}' for k, c in _COLOURS.items())
+              + '</style>')
 
 def _kinds(b: Batch, row: int) -> list[str]:
     "Who wrote each token of `row`, read back from the batch tensors alone."
@@ -93,7 +97,7 @@ def _kinds(b: Batch, row: int) -> list[str]:
     return out
 
 def mask_table(b: Batch, row: int = 0, decode: Callable[[int], str] | None = None, start: int = 0, end: int | None = None) -> HTML:
-    "Row `row` of `b` as a coloured HTML table: prompt grey, LLM red, env blue; one line per tensor."
+    "Row `row` of `b` (columns `start:end`) as a coloured HTML table: prompt grey, LLM red, env blue; one line per tensor."
     kinds, sl = _kinds(b, row)[start:end], slice(start, end)
     def fmt(x): return '' if x == 0 else f'{x:.2g}' if isinstance(x, float) else str(x)
     lines = [('token', [decode(i) if decode else str(i) for i in b.input_ids[row, sl].tolist()])]
@@ -104,15 +108,14 @@ def mask_table(b: Batch, row: int = 0, decode: Callable[[int], str] | None = Non
               ('loss mask', [str(int(m)) for m in b.loss_mask[row, sl].tolist()]),
               ('reward', [fmt(r) for r in b.token_rewards[row, sl].tolist()]),
               ('sampled logprob', [fmt(x) for x in b.sampled_logprobs[row, sl].tolist()])]
-    td = 'style="background:{};padding:2px 4px;text-align:center;font-family:monospace;border:1px solid #fff{}"'
     rows = []
     for name, vals in lines:
-        cells = ''.join(f'<td {td.format(_COLOURS[k], ";font-weight:bold" if name == "loss mask" and v == "1" else "")}>'
-                        f'{html.escape(v)}</td>' for k, v in zip(kinds, vals))
-        rows.append(f'<tr><th style="text-align:right;padding-right:6px">{name}</th>{cells}</tr>')
+        cells = ''.join(f'<td class="{k}{" on" if name == "loss mask" and v == "1" else ""}">{html.escape(v)}</td>'
+                        for k, v in zip(kinds, vals))
+        rows.append(f'<tr><th>{name}</th>{cells}</tr>')
     legend = ' '.join(f'<span style="background:{c};padding:0 6px">{k}</span>' for k, c in _COLOURS.items())
-    return HTML(f'<div style="overflow-x:auto"><table style="border-collapse:collapse;font-size:11px">{"".join(rows)}'
-                f'</table><div style="font-size:11px">{legend}</div></div>')
+    return HTML(f'{_TABLE_CSS}<div style="overflow-x:auto"><table class="mask-table">{"".join(rows)}</table>'
+                f'<div style="font-size:11px">{legend}</div></div>')
 
 # %% ../nbs/05_masking.ipynb #d925b30f
 def env_mask(b: Batch) -> torch.Tensor:

@@ -5,7 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ragen_nb.masking import Batch, collate, env_mask, forward_logprobs, masked_mean, token_logprobs
+import re
+
+from ragen_nb.masking import Batch, collate, env_mask, forward_logprobs, mask_table, masked_mean, token_logprobs
 from ragen_nb.models import tiny_model
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
 
@@ -180,3 +182,20 @@ def test_collate_errors_say_what_to_do():
     gap = Trajectory().add([1], PROMPT, 0).add([2], LLM, 1, [-1.]).add([3], ENV, 2)
     gap.rewards += [0.0, 1.0]                                     # a reward for turn 2, which has no LLM token
     with pytest.raises(ValueError, match='turn 2'): collate([gap], 0, per_turn_rewards=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(trajectories(), min_size=1, max_size=3))
+def test_mask_table_colours_each_column_by_who_wrote_it(trajs):
+    "One cell per column and line, classed by its writer (prompt, LLM, env, pad), bold exactly on loss-mask 1s."
+    b = collate(trajs, pad_id=0)
+    for row, t in enumerate(trajs):
+        page = mask_table(b, row).data
+        lines = re.findall(r'<tr><th>([^<]*)</th>(.*?)</tr>', page)
+        assert [name for name, _ in lines] == ['token', 'turn', 'position', 'attention', 'loss mask', 'reward', 'sampled logprob']
+        kinds = [('prompt', 'LLM', 'env')[s] for s in t.sources] + ['pad'] * (b.input_ids.shape[1] - len(t))
+        for name, cells in lines:
+            classes = re.findall(r'<td class="([^"]*)">', cells)
+            assert [c.split()[0] for c in classes] == kinds
+            assert [c.endswith(' on') for c in classes] == ([k == 'LLM' for k in kinds] if name == 'loss mask' else [False] * len(kinds))
+        assert len(re.findall(r'<td ', mask_table(b, row, start=2, end=5).data)) == 7 * len(kinds[2:5])
