@@ -1,5 +1,5 @@
 "The `ragen_nb` command: help that helps, and `eval` end to end on a small saved model."
-import subprocess, sys
+import json, subprocess, sys
 import pytest
 from ragen_nb.cli import parser
 from ragen_nb.models import load_tokenizer, tiny_model
@@ -22,16 +22,67 @@ def test_bad_arguments_exit_with_a_message():
     with pytest.raises(SystemExit): parser().parse_args([])
 
 
-def test_eval_prints_a_table_for_a_saved_model(tmp_path):
+@pytest.fixture(scope='module')
+def tiny_folder(tmp_path_factory):
+    "A small random model saved with the embedded tokenizer: it loads in a second and never answers with an action."
+    path = tmp_path_factory.mktemp('tiny')
     tok = load_tokenizer()
-    tiny_model(tok).save_pretrained(tmp_path/'tiny'); tok.save_pretrained(tmp_path/'tiny')
-    r = run('eval', '--model', str(tmp_path/'tiny'), '--n', '2', '--max_turns', '2', '--max_response_length', '4')
+    tiny_model(tok).save_pretrained(path); tok.save_pretrained(path)
+    return path
+
+
+def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
+    out = tmp_path/'eval.json'
+    r = run('eval', '--model', str(tiny_folder), '--no-base', '--n', '2', '--max_turns', '2', '--max_response_length', '4',
+            '--search_depth', '4', '--train_rooms', '5', '--samples', '2', '--json', str(out))
     assert r.returncode == 0, r.stderr
-    header, rule, *rows = r.stdout.strip().splitlines()[-4:]
-    assert header.split() == ['template', 'rooms', 'success_rate', 'valid_action_rate', 'mean_reward', 'mean_turns', 'seconds']
-    assert [row.split()[:2] for row in rows] == [['qwen-instruct', '2'], ['base', '2']]
-    # a random model never answers with an action, so every turn of every room is played and penalised
-    assert [row.split()[3:6] for row in rows] == [['0.000', '-0.200', '2.000']] * 2
+    header, rule, *rows, footer = r.stdout.strip().splitlines()[-8:]
+    assert header.split()[:6] == ['policy', 'rooms', 'episodes', 'success', '95%', 'interval']
+    assert [row.split('  ')[0].strip() for row in rows] == ['model greedy', 'model T=0.5', 'uniform random',
+                                                           'best fixed sequence', 'BFS optimum']
+    # a random model never answers with an action: nothing solved, no valid turn, both turns played, episodes per room
+    model = [row.split() for row in rows[:2]]
+    assert [m[2:5] for m in model] == [['2', '2', '0.000'], ['2', '4', '0.000']]
+    assert [m[6:8] for m in model] == [['0.000', '2.00']] * 2
+    assert 'solve(max_depth=2)' in rows[-1] and footer.startswith('2 held-out rooms')
+    saved = json.loads(out.read_text())
+    assert saved['settings']['search_depth'] == 4 and saved['turn_budget'] == 2 and saved['seeds'] == [20000, 20001]
+    assert [row['policy'] for row in saved['rows']] == ['model greedy', 'model T=0.5', 'uniform random',
+                                                       'best fixed sequence', 'BFS optimum']
+    assert saved['rows'][2]['mi'] is None                                    # nan is written as null
+    assert saved['rows'][0]['success_low'] == 0.0 and saved['rows'][0]['success_high'] > 0.5   # Wilson on 0 of 2
+
+
+def test_eval_takes_room_settings_from_the_environment(tiny_folder, tmp_path, monkeypatch):
+    import ragen_nb.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, 'evaluate', lambda *a, **k: seen.append(a[4]) or cli.baselines(a[4], 2, 2, 5))
+    monkeypatch.setenv('SEARCH_DEPTH', '4'); monkeypatch.setenv('MAX_STEPS', '3')
+    assert cli.main(['eval', '--n', '2', '--max_turns', '2']) == 0
+    assert cli.main(['eval', '--n', '2', '--max_turns', '2', '--search_depth', '5']) == 0     # an option beats the env
+    assert [(s.search_depth, s.max_steps) for s in seen] == [(4, 3), (5, 3)]
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--n', '0'], '--n 0'), (['--temperatures', '-1'], 'temperatures >= 0'), (['--samples', '0'], '--samples 0'),
+    (['--max_turns', '9', '--max_steps', '20'], 'lower --max_turns'), (['--search_depth', '2'], 'search_depth=2'),
+    (['--train_rooms', '0'], '--train_rooms 0'), (['--json', '/nonexistent/x.json'], 'no folder /nonexistent'),
+    (['--data', '/nonexistent'], 'does not exist')])
+def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypatch, capsys):
+    import ragen_nb.cli as cli
+    monkeypatch.setattr(cli, 'load_model', lambda *a, **k: pytest.fail('a model was loaded'))
+    monkeypatch.setattr(cli, 'load_tokenizer', lambda *a, **k: pytest.fail('a tokenizer was loaded'))
+    assert cli.main(['eval', '--no-base', *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('ragen_nb eval: error: ') and message in err[0]
+
+
+def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
+    from ragen_nb.cli import eval_plan, main
+    main(['data', '--output', str(tmp_path), '--train_size', '3', '--test_size', '2'])
+    assert eval_plan(n=2, data=str(tmp_path))['seeds'] == [10003, 10004]
+    with pytest.raises(ValueError, match=r'holds 2 rooms, fewer than the 5 asked.*--test_size 5'):
+        eval_plan(n=5, data=str(tmp_path))
 
 
 def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypatch):

@@ -89,3 +89,158 @@ def test_mi_nan_and_errors():
     # None is a category: rooms split by None vs Up carry ln 2 nats (plug-in)
     s = room_action_mi([0, 0, 1, 1], [None, None, 'Up', 'Up'], shuffles=0)
     assert s['mi'] == pytest.approx(math.log(2) + 1 / 8) and math.isnan(s['mi_null'])
+
+
+# --- baselines -----------------------------------------------------------------------------------------------------
+
+from ragen_nb.evaluate import (action_sequences, baseline_rows, baselines, cached_room, format_table, heldout_seeds, play,
+                               solve_steps, solve_steps_loop, trajectory_metrics, turn_budget, model_rows)
+from ragen_nb.sokoban import ACTIONS, EnvSettings, room_from_text, solve
+from ragen_nb.tokens import Trajectory
+
+# Hand-counted with T = 2 (16 sequences): A is solved by the 4 sequences starting with Right (step 1) and by Up, Right
+# (Up bumps into the wall, step 2); B only by Up, Right (step 2); C needs three moves.
+A = room_from_text('#######\n#_PXO_#\n#_____#\n#######')
+B = room_from_text('######\n#__XO#\n#_P__#\n######')
+C = room_from_text('#######\n#P__XO#\n#_____#\n#######')
+UP, DOWN, LEFT, RIGHT = 1, 2, 3, 4
+
+
+def _solved(steps, turns): return {seq: int(s) for seq, s in zip(action_sequences(turns), steps) if s}
+
+
+@pytest.mark.parametrize('steps', [solve_steps, solve_steps_loop])
+def test_enumeration_matches_hand_counts(steps):
+    assert _solved(steps(*A, 2), 2) == {(UP, RIGHT): 2, (RIGHT, UP): 1, (RIGHT, DOWN): 1, (RIGHT, LEFT): 1, (RIGHT, RIGHT): 1}
+    assert _solved(steps(*B, 2), 2) == {(UP, RIGHT): 2}
+    assert _solved(steps(*C, 2), 2) == {}
+    assert _solved(steps(*C, 3), 3) == {(RIGHT, RIGHT, RIGHT): 3}
+    assert len(steps(*A, 3)) == 64 and list(steps(*A, 0)) == [0]
+
+
+def test_array_enumeration_equals_the_env_loop_on_generated_rooms():
+    for settings, turns in [(EnvSettings(search_depth=4), 2), (EnvSettings(), 4),
+                            (EnvSettings(dim_x=7, dim_y=7, num_boxes=2, search_depth=10), 3)]:
+        for seed in range(20000, 20004):
+            room = cached_room(settings, seed)
+            assert (solve_steps(*room, turns) == solve_steps_loop(*room, turns)).all()
+
+
+def test_enumeration_agrees_with_bfs():
+    for seed in range(20000, 20030):
+        room = cached_room(EnvSettings(), seed)
+        steps, plan = solve_steps(*room, 5), solve(*room, max_depth=5)
+        assert (plan is not None) == bool(steps.any())
+        if plan is not None: assert len(plan) == steps[steps > 0].min()
+
+
+def test_baseline_rows_on_hand_rooms():
+    rows = {r['policy']: r for r in baseline_rows([A, B, C], [A, B], 2)}
+    assert rows['uniform random']['success_rate'] == pytest.approx((5 + 1 + 0) / 48)
+    assert rows['uniform random']['mean_turns'] == pytest.approx(((4 * 1 + 12 * 2) / 16 + 2 + 2) / 3)
+    fixed = rows['best fixed sequence']
+    assert fixed['note'].startswith('Up, Right (1.000 on 2 training rooms)') and fixed['success_rate'] == pytest.approx(2 / 3)
+    bfs = rows['BFS optimum']
+    assert bfs['success_rate'] == pytest.approx(2 / 3) and bfs['mean_turns'] == pytest.approx((1 + 2 + 2) / 3)
+    assert bfs['distinct_first_actions'] == 3 and bfs['first_action_entropy'] == pytest.approx(math.log(3))
+    lo, hi = wilson_interval(2, 3)
+    assert (bfs['success_low'], bfs['success_high']) == pytest.approx((lo, hi))
+
+
+def test_best_fixed_sequence_is_chosen_on_training_rooms_only():
+    # trained on C's three-move plan, the fixed sequence is Right, Right, Right, which solves A and C but not B
+    rows = baseline_rows([A, B, C], [C], 3)
+    assert rows[1]['note'].startswith('Right, Right, Right') and rows[1]['success_rate'] == pytest.approx(2 / 3)
+    # trained on B alone, many sequences tie at 1.0; the first in product order wins: Up, Up (a wall: no move), Right
+    rows = baseline_rows([A, B, C], [B], 3)
+    assert rows[1]['note'].startswith('Up, Up, Right') and rows[1]['success_rate'] == pytest.approx(2 / 3)
+
+
+def test_baselines_use_the_turn_budget_and_the_heldout_seeds():
+    assert turn_budget(EnvSettings(max_steps=3), 5) == 3 and turn_budget(EnvSettings(max_steps=10), 2) == 2
+    settings = EnvSettings(search_depth=4, max_steps=1)
+    one = baselines(settings, max_turns=2, n=20, train_rooms=20)
+    two = baselines(EnvSettings(search_depth=4), max_turns=2, n=20, train_rooms=20)
+    assert one[2]['note'] == 'solve(max_depth=1)' and two[2]['note'] == 'solve(max_depth=2)'
+    assert one[0]['success_rate'] < two[0]['success_rate']
+    rooms = [cached_room(EnvSettings(search_depth=4), s) for s in heldout_seeds(20)]
+    assert two[2]['success_rate'] == np.mean([solve(*r, max_depth=2) is not None for r in rooms])
+    with pytest.raises(ValueError, match='train_rooms=0'): baselines(settings, 2, 5, train_rooms=0)
+
+
+def test_heldout_seeds_follow_the_training_range():
+    assert heldout_seeds(3) == [20000, 20001, 20002]
+    assert heldout_seeds(2, seed=5, train_size=10) == [15, 16]
+
+
+def test_format_table_shows_every_row_with_dashes_for_missing_values():
+    text = format_table(baseline_rows([A, B], [A], 2))
+    lines = text.splitlines()
+    assert len(lines) == 5 and lines[0].startswith('policy') and set(lines[1]) <= {'-', ' '}
+    assert lines[2].split()[10:14] == ['-', '-', 'exact:', 'all']   # 'uniform random': MI and MI null do not apply
+
+
+# --- model evaluation -----------------------------------------------------------------------------------------------
+
+def _traj(seed, actions, success): return Trajectory(seed=seed, actions=list(actions), rewards=[-0.1] * len(actions), success=success)
+
+
+def test_trajectory_metrics_by_hand():
+    trajs = [_traj(1, [UP], True), _traj(1, [None, UP], False), _traj(2, [DOWN, DOWN], False), _traj(2, [DOWN], True)]
+    m = trajectory_metrics(trajs, shuffles=5)
+    assert (m['rooms'], m['episodes'], m['success_rate']) == (2, 4, 0.5)
+    assert (m['success_low'], m['success_high']) == pytest.approx(wilson_interval(1, 2))   # n = rooms, not episodes
+    assert m['valid_action_rate'] == pytest.approx(5 / 6) and m['mean_turns'] == pytest.approx(6 / 4)
+    assert m['distinct_first_actions'] == 3                                                 # Up, None, Down
+    assert m['first_action_entropy'] == pytest.approx(-(0.25 * math.log(0.25) * 2 + 0.5 * math.log(0.5)))
+    assert m['mi'] == pytest.approx(mi_from_counts([[1, 1, 0], [0, 0, 2]]))
+    with pytest.raises(ValueError, match='no trajectories'): trajectory_metrics([])
+
+
+class Recorder:
+    "ScriptedEngine that remembers its batch sizes."
+    def __init__(self, engine): self.engine, self.batches = engine, []
+    def generate(self, prompts, *args, **kwargs):
+        self.batches.append(len(prompts)); return self.engine.generate(prompts, *args, **kwargs)
+
+
+@pytest.fixture(scope='module')
+def tok():
+    from ragen_nb.models import load_tokenizer
+    return load_tokenizer()
+
+
+def test_play_chunks_the_episodes_without_changing_them(tok):
+    from ragen_nb.rollout import RolloutConfig, ScriptedEngine
+    settings, cfg = EnvSettings(search_depth=4), RolloutConfig(max_turns=2, max_response_length=8, temperature=1.0)
+    reply = lambda text: ['Up', 'Down', 'Left', 'Right'][len(text) % 4] + '</answer>'   # reads the context
+    seeds = heldout_seeds(5)
+    whole, chunked = Recorder(ScriptedEngine(tok, reply)), Recorder(ScriptedEngine(tok, reply))
+    a = play(whole, tok, seeds, settings, cfg, samples=2, chunk_size=100, progress=False)
+    b = play(chunked, tok, seeds, settings, cfg, samples=2, chunk_size=3, progress=False)
+    assert max(chunked.batches) == 3 and whole.batches[0] == 10
+    assert [t.seed for t in a] == [s for s in seeds for _ in range(2)]
+    assert [(t.seed, t.actions, t.success) for t in a] == [(t.seed, t.actions, t.success) for t in b]
+    with pytest.raises(ValueError, match='repeats one greedy episode'):
+        play(whole, tok, seeds, settings, RolloutConfig(temperature=0.0), samples=2)
+
+
+def test_scripted_players_score_their_baselines(tok):
+    "A player reading the room with BFS scores the BFS optimum; a blind best fixed sequence scores its baseline."
+    import re
+    from ragen_nb.rollout import RolloutConfig, ScriptedEngine
+    settings, turns, n = EnvSettings(search_depth=4), 2, 30
+    grid = re.compile(r'^[#_OX√PS]+$', re.MULTILINE)
+    def bfs(text):
+        plan = solve(*room_from_text('\n'.join(grid.findall(text)[-settings.dim_x:])), max_depth=turns)
+        return f'{ACTIONS[plan[0] if plan else 1]}</answer>'
+    ref = baselines(settings, turns, n, train_rooms=200)
+    sequence = [next(a for a in ACTIONS if ACTIONS[a] == name) for name in ref[1]['note'].split(' (')[0].split(', ')]
+    fixed = lambda text: f"{ACTIONS[sequence[text.count('<|im_start|>assistant') - 1]]}</answer>"
+    cfg = RolloutConfig(max_turns=turns, max_response_length=8)
+    rows = [model_rows(ScriptedEngine(tok, f), tok, heldout_seeds(n), settings, cfg, name, temperatures=(0.0,), progress=False)[0]
+            for name, f in (('bfs', bfs), ('fixed', fixed))]
+    assert rows[0]['success_rate'] == ref[2]['success_rate'] == 1.0
+    assert rows[1]['success_rate'] == ref[1]['success_rate']
+    assert rows[1]['first_action_entropy'] == 0 and rows[1]['distinct_first_actions'] == 1
+    assert rows[0]['valid_action_rate'] == rows[1]['valid_action_rate'] == 1.0
