@@ -4,7 +4,7 @@ from html.parser import HTMLParser
 import pytest
 from hypothesis import given, settings, strategies as st
 from ragen_nb.models import load_tokenizer
-from ragen_nb.tokens import PROMPT, LLM, ENV, SOURCE_NAMES, COLOURS, Trajectory, show_tokens
+from ragen_nb.tokens import PROMPT, LLM, ENV, SOURCE_NAMES, COLOURS, Trajectory, show_tokens, token_pieces
 from ragen_nb.sokoban import SokobanEnv, EnvSettings
 from ragen_nb.data import render_prompt, first_message, followup_text, observation_message
 
@@ -19,13 +19,14 @@ def tok(): return tokenizer()
 def encode(tok, text): return tok.encode(text, add_special_tokens=False)
 
 def hand_episode(tok, seed, answers):
-    "A trajectory written by hand: notebook 01's prompt, each answer + eos as LLM tokens, the env's reply as env tokens."
+    "A trajectory written as the rollout writes one: each answer (cut after `</answer>`) as LLM tokens, then the eos that closes the turn and the env's reply as env tokens."
     env = SokobanEnv(SETTINGS)
     obs0 = env.reset(seed=seed)
     traj = Trajectory(seed=seed).add(encode(tok, render_prompt(tok, obs0)), PROMPT, 0)
     for turn, (answer, action) in enumerate(answers, start=1):
-        ids = encode(tok, answer) + [tok.eos_token_id]
+        ids = encode(tok, answer)
         traj.add(ids, LLM, turn, logprobs=[-0.25 * (k + 1) for k in range(len(ids))])
+        traj.add([tok.eos_token_id], ENV, turn)
         obs, reward, done, info = env.step(action)
         traj.responses.append(answer); traj.actions.append(action); traj.rewards.append(reward)
         traj.dones.append(done); traj.observations.append(obs); traj.success = info['success']
@@ -74,14 +75,15 @@ def test_env_spans_decode_to_the_env_text_and_ids_to_the_chat(tok, seed, answers
     traj, obs0 = hand_episode(tok, seed, answers)
     env_spans = [(t, ids) for s, t, ids in traj.spans() if s == ENV]
     assert env_spans, 'the episode should have at least one env reply'
-    for turn, ids in env_spans:  # "the env text": the template's user turn around the feedback message, then "<answer>"
-        assert tok.decode(ids) == followup_text(tok, observation_message(traj.observations[turn - 1], traj.rewards[turn - 1]))
+    for turn, ids in env_spans:  # the eos closing the turn, then the template's user turn around the feedback, then "<answer>"
+        done = traj.dones[turn - 1]
+        assert tok.decode(ids) == tok.eos_token + ('' if done else followup_text(tok, observation_message(traj.observations[turn - 1], traj.rewards[turn - 1])))
     # independent check: the chat template, rendering the whole conversation at once, gives the decoded ids
     chat = [{'role': 'user', 'content': first_message(obs0)}]
     for response, obs, reward in zip(traj.responses, traj.observations, traj.rewards):
         chat += [{'role': 'assistant', 'content': '<answer>' + response},
                  {'role': 'user', 'content': observation_message(obs, reward)}]
-    if traj.sources[-1] == LLM:  # ended on the model's eos: the template adds a newline after it
+    if traj.dones[-1]:           # ended on the eos that closed the last turn: the template adds a newline after it
         assert tok.decode(traj.ids) + '\n' == tok.apply_chat_template(chat[:-1], tokenize=False)
     else:                        # ended on the env's reply: the template's generation prompt, then the opening
         assert tok.decode(traj.ids) == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + '<answer>'
@@ -114,5 +116,24 @@ def test_show_tokens_is_one_coloured_span_per_token_with_id_and_turn(tok):
     for (style, title, text), i, s, t in zip(tokens, traj.ids, traj.sources, traj.turns):
         assert f'background:{COLOURS[s]}' in style
         assert re.match(rf'id {i} · turn {t} · {SOURCE_NAMES[s]}', title)
-        assert text == tok.decode([i]).replace('\n', '↵\n')  # escaped in the HTML, unescaped by the parser
+    for (style, title, text), piece in zip(tokens, token_pieces(traj.ids, tok)):
+        assert text == piece.replace('\n', '↵\n')  # escaped in the HTML, unescaped by the parser
+        assert title.endswith('part of a character that a later token completes') == (piece == '')
     assert COLOURS[PROMPT] != COLOURS[LLM] != COLOURS[ENV] != COLOURS[PROMPT]
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_token_pieces_join_to_the_text_and_hold_whole_characters(text):
+    "Any text that decodes to valid text: one piece per token, joining to the decoded text, and no replacement character."
+    tok = tokenizer()
+    ids = encode(tok, text)
+    pieces = token_pieces(ids, tok)
+    assert len(pieces) == len(ids)
+    if '\ufffd' not in tok.decode(ids):   # ids that decode to valid text (the tokenizer maps some unassigned characters to invalid bytes)
+        assert ''.join(pieces) == tok.decode(ids) and not any('\ufffd' in p for p in pieces)
+
+def test_token_pieces_of_the_box_on_target_symbol(tok):
+    "√ is three UTF-8 bytes in two tokens: decoded alone each is a replacement character; as pieces, √ sits on the second."
+    ids = encode(tok, 'X box, √ box on target')
+    assert [tok.decode([i]) for i in ids].count('\ufffd') == 1 and ' \ufffd' in [tok.decode([i]) for i in ids]
+    assert token_pieces(ids, tok) == ['X', ' box', ',', '', ' √', ' box', ' on', ' target']
