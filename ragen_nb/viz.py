@@ -6,7 +6,7 @@
 __all__ = ['FIELDS', 'CJK_FONTS', 'TOKEN_CSS', 'PANELS', 'COLLAPSE_KEYS', 'write_rollouts', 'read_records', 'read_rollouts',
            'find_room', 'first_room', 'room_rgb', 'rooms_before_after', 'font_families', 'quiet_glyphs',
            'describe_turn', 'trajectory_figure', 'save_trajectory_images', 'token_strip', 'TrajectoryWidget',
-           'read_metrics', 'series', 'collapse_regions', 'plot_run', 'synthetic_metrics']
+           'read_metrics', 'series', 'collapse_regions', 'flagged_regions', 'plot_run', 'synthetic_metrics']
 
 # %% ../nbs/10_viz.ipynb #5c85df6d
 import base64, dataclasses, functools, html, importlib.resources, io, json, math, re, textwrap, warnings
@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
-from .tokens import Trajectory, PROMPT, LLM, SOURCE_NAMES, COLOURS
+from .tokens import Trajectory, PROMPT, LLM, SOURCE_NAMES, COLOURS, PART, token_pieces
 from .sokoban import EnvSettings, SokobanEnv, ACTIONS, SYMBOLS, room_from_text, render_rgb
 
 # %% ../nbs/10_viz.ipynb #1a281ea5
@@ -199,7 +199,7 @@ def _legend(mode: str, scale: float) -> str:
     ends = (f'<span style="background:{_stat_colour(v, mode, scale)};padding:0 3px">{v:+.3g}</span>' for v in (-scale, 0, scale))
     return f'LLM tokens by {html.escape(mode)}: {" ".join(ends)} · others greyed · {mask}'
 
-TOKEN_CSS = ('<style>.tok{border-radius:3px;margin-right:1px}.tok-LLM{text-decoration:underline}.dim{background:#f2f2f2;color:#999}'
+TOKEN_CSS = ('<style>.tok{border-radius:3px;margin-right:1px}.tok:empty{padding:0 3px}.tok-LLM{text-decoration:underline}.dim{background:#f2f2f2;color:#999}'
              + ''.join(f'.src-{n}{{background:{COLOURS[s]}}}' for s, n in enumerate(SOURCE_NAMES)) + '</style>')
 
 def token_strip(traj: Trajectory, pieces: list[str], turn: int | None = None, mode: str = 'source',
@@ -216,7 +216,8 @@ def token_strip(traj: Trajectory, pieces: list[str], turn: int | None = None, mo
         if mode == 'source': look = f'class="tok tok-{name} src-{name}"'
         elif s == LLM: look = f'class="tok tok-{name}" style="background:{_stat_colour(values[k], mode, scale)}"'
         else: look = f'class="tok tok-{name} dim"'
-        title = f'id {i} · turn {t} · {name}' + ''.join(f' · {n} {v[k]:.3g}' for n, v in stats.items() if s == LLM)
+        title = (f'id {i} · turn {t} · {name}' + ''.join(f' · {n} {v[k]:.3g}' for n, v in stats.items() if s == LLM)
+                 + ('' if pieces[k] else f' · {PART}'))
         chips.append(f'<span {look} title="{html.escape(title)}">{html.escape(pieces[k].replace(chr(10), "↵" + chr(10)))}</span>')
     return (f'<div class="token-strip" style="font-family:monospace;font-size:12px;line-height:1.7;white-space:pre-wrap">{TOKEN_CSS}'
             f'<div style="margin-bottom:4px;font-family:sans-serif">{_legend(mode, scale)}</div>{"".join(chips)}</div>')
@@ -245,7 +246,7 @@ class TrajectoryWidget:
             if len(rows) != len(trajs) or any(len(r) != len(t) for r, t in zip(rows, trajs)):
                 raise ValueError(f'token_stats[{name!r}] needs one row per trajectory and one value per token')
         self.modes = ['source', 'logprob', *self.token_stats]
-        self.pieces = [[tokenizer.decode([i]) if tokenizer is not None else f'⟨{i}⟩' for i in t.ids] for t in trajs]
+        self.pieces = [token_pieces(t.ids, tokenizer) if tokenizer is not None else [f'⟨{i}⟩' for i in t.ids] for t in trajs]
         self.rooms = [rooms_before_after(t, tokenizer, settings) for t in trajs]
         self.scale, self._widget = scale, None
 
@@ -316,8 +317,10 @@ class TrajectoryWidget:
         return f'<div class="trajectory-widget">{"".join(parts)}</div>'
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
-        "The live widget where a widget manager runs, with the static HTML for everything else (docs, GitHub)."
-        return {**(self.widget._repr_mimebundle_(**kwargs) or {}), 'text/html': self.to_html()}
+        "The live widget where a widget manager runs; elsewhere (docs, GitHub) the static HTML of the first trajectory, to stay small."
+        note = (f'<p><i>A static view of trajectory #0 of {len(self.trajs)}: the live widget (with a kernel) or save_html '
+                f'shows them all.</i></p>' if len(self.trajs) > 1 else '')
+        return {**(self.widget._repr_mimebundle_(**kwargs) or {}), 'text/html': note + self.to_html(max_trajectories=1)}
 
     def save_html(self, path: str | Path, embed_url: str | None = None, title: str = 'trajectories') -> Path:
         "A standalone page with the widget and its state; its JavaScript comes from `embed_url` (a local embed.js) or, by default, a CDN."
@@ -369,19 +372,33 @@ def collapse_regions(steps: np.ndarray, values: np.ndarray, frac: float = 0.2, w
 PANELS = (('success rate', ('train/success_rate', 'val/success_rate')),
           ('valid action rate', ('train/valid_action_rate', 'val/valid_action_rate')),
           ('reward', ('score/mean', 'val/mean_reward')),
-          ('reward std (collapse watch)', ('score/std',)),
+          ('reward std (collapse watch)', ('score/std', 'filter/all_reward_std', 'filter/kept_reward_std')),
           ('entropy (collapse watch)', ('actor/entropy',)),
+          ('room/first-action MI, nats (collapse watch)', ('collapse/room_action_mi', 'collapse/room_action_mi_null')),
+          ('share of room groups', ('collapse/zero_std_share', 'filter/kept_ratio')),
+          ('distinct first actions', ('collapse/first_actions',)),
+          ('LLM tokens per trajectory', ('response/llm_tokens',)),
           ('KL', ('actor/approx_kl', 'actor/kl_ref')),
           ('losses', ('actor/pg_loss', 'critic/vf_loss')),
           ('seconds per step', ('timing/rollout', 'timing/update', 'timing/sync', 'timing/validate')))
 COLLAPSE_KEYS = ('score/std', 'actor/entropy')
 
+def flagged_regions(records: list[dict], key: str = 'collapse/detected') -> list[tuple[float, float]]:
+    "Step ranges of consecutive records whose `key` is true (the trainer's `collapse/detected`: a room-blind first action)."
+    out, prev = [], False
+    for s, v in zip(*series(records, key)):
+        if v and prev: out[-1] = (out[-1][0], float(s))
+        elif v: out.append((float(s), float(s)))
+        prev = bool(v)
+    return out
+
 def plot_run(run: str | Path | list[dict], path: str | Path | None = None, frac: float = 0.2, window: int = 5) -> Figure:
-    "Learning curves of a run (folder, metrics.jsonl or records) with collapse regions of reward std and entropy shaded; saved to `path` if given."
+    "Learning curves of a run (folder, metrics.jsonl or records) with collapse regions of reward std and entropy shaded, and the steps whose first action ignored the room hatched; saved to `path` if given."
     records = read_metrics(run) if isinstance(run, (str, Path)) else list(run)
-    fig = Figure(figsize=(14, 6.5), dpi=80, layout='constrained'); FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 4).ravel()
+    fig = Figure(figsize=(14, 9.5), dpi=80, layout='constrained'); FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 4).ravel()
     collapses = {k: collapse_regions(*series(records, k), frac, window) for k in COLLAPSE_KEYS}
+    blind = flagged_regions(records)
     for ax, (title, keys) in zip(axes, PANELS):
         drawn = False
         for key in keys:
@@ -393,6 +410,11 @@ def plot_run(run: str | Path | list[dict], path: str | Path | None = None, frac:
                 xs, ys = series(records, 'score/std')
                 common, i, j = np.intersect1d(x, xs, return_indices=True)
                 ax.fill_between(common, y[i] - ys[j], y[i] + ys[j], alpha=0.2, label='± score/std')
+            if key == 'collapse/room_action_mi_null':   # below the band: the first action does not depend on the room
+                xs, ys = series(records, 'collapse/room_action_mi_null_std')
+                common, i, j = np.intersect1d(x, xs, return_indices=True)
+                ax.fill_between(common, y[i] - 2 * ys[j], y[i] + 2 * ys[j], alpha=0.2, color='grey', label='null ± 2 std')
+                for a, b in blind: ax.axvspan(a - 0.5, b + 0.5, fill=False, hatch='///', edgecolor='#7b2cbf', lw=0)
         for key, regions in collapses.items():
             for k, (a, b) in enumerate(regions):
                 ax.axvspan(a, b, color='#d62728', alpha=0.12, lw=0)
@@ -404,6 +426,9 @@ def plot_run(run: str | Path | list[dict], path: str | Path | None = None, frac:
         else: ax.text(0.5, 0.5, 'no data', ha='center', va='center', transform=ax.transAxes, color='grey')
         ax.set_title(title, fontsize=10); ax.set_xlabel('step', fontsize=8); ax.tick_params(labelsize=8)
     warn = '; '.join(f'{k} collapsed at steps {", ".join(f"{a:g}–{b:g}" for a, b in r)}' for k, r in collapses.items() if r)
+    if blind:
+        n = int(series(records, 'collapse/detected')[1].sum())
+        warn += ('; ' if warn else '') + f'first action ignored the room on {n} steps from step {blind[0][0]:g}'
     fig.suptitle(f'{len(records)} steps' + (f' · WARNING: {warn}' if warn else ''), color='#b00020' if warn else 'black')
     fig.collapses = collapses
     if path is not None: Path(path).parent.mkdir(parents=True, exist_ok=True); fig.savefig(path)
@@ -420,7 +445,13 @@ def synthetic_metrics(steps: int = 120, collapse_at: int | None = 70, test_freq:
              'actor/entropy': 1.5 * fall + 0.01 + abs(rng.normal(0, 0.03)), 'train/success_rate': 0.3 * learn * fall + abs(rng.normal(0, 0.02)),
              'train/valid_action_rate': 0.4 + 0.5 * learn, 'actor/approx_kl': abs(rng.normal(2e-3, 1e-3)), 'actor/kl_ref': 0.02 * learn,
              'actor/pg_loss': rng.normal(0, 0.05), 'critic/vf_loss': 2 * math.exp(-s / 30) + 0.1,
-             'timing/rollout': 8 + rng.normal(0, 0.5), 'timing/update': 5 + rng.normal(0, 0.3), 'timing/sync': 0.0}
+             'timing/rollout': 8 + rng.normal(0, 0.5), 'timing/update': 5 + rng.normal(0, 0.3), 'timing/sync': 0.0,
+             'filter/all_reward_std': 2 * fall + rng.normal(0, 0.05) ** 2, 'collapse/zero_std_share': 0.9 - 0.8 * fall,
+             'collapse/first_actions': 1 + round(3 * fall), 'response/llm_tokens': 12 - 6 * (1 - fall) + rng.normal(0, 0.3),
+             'collapse/room_action_mi_null': 0.08 + rng.normal(0, 0.005), 'collapse/room_action_mi_null_std': 0.02}
+        r['filter/kept_reward_std'] = 2 * r['filter/all_reward_std']
+        r['collapse/room_action_mi'] = r['collapse/room_action_mi_null'] + (0.1 + 0.4 * learn) * fall + rng.normal(0, 0.01)
+        r['collapse/detected'] = float(r['collapse/room_action_mi'] <= r['collapse/room_action_mi_null'] + 2 * 0.02)
         if s == 33: r['actor/pg_loss'] = None   # a non-finite value, logged as null
         if test_freq and s % test_freq == 0:
             r |= {'val/success_rate': 0.25 * learn * fall, 'val/valid_action_rate': 0.5 + 0.4 * learn, 'val/mean_reward': r['score/mean']}

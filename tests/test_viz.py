@@ -170,6 +170,23 @@ def test_token_strip_colours_by_stat(trajs):
     assert re.findall(r'style="background:(#[0-9a-f]{6})"', lp)[-1] == to_hex(colormaps['RdYlGn'](1.0))
     with pytest.raises(ValueError, match='cannot colour by'): token_strip(t, pieces, None, 'value')
 
+def test_token_strip_shows_characters_split_over_tokens(trajs):
+    "The rules line says '√ box on target': √ takes two tokens, and each decoded alone is '\ufffd'; the strip shows √ whole."
+    tok = tokenizer()
+    rule = tok.encode(' √ box on target', add_special_tokens=False)
+    assert [tok.decode([i]) for i in rule[:2]] == [' \ufffd', '\ufffd']      # what decoding each token alone shows
+    w = TrajectoryWidget(trajs[:1], tok)
+    t, pieces = trajs[0], w.pieces[0]
+    assert len(pieces) == len(t) and ''.join(pieces) == tok.decode(t.ids)
+    assert not any('\ufffd' in p for p in pieces)
+    text = lambda strip: re.sub(r'<style>.*?</style>|<[^>]*>', '', strip)
+    prompt, odd = token_strip(t, pieces, 0), token_strip(t, pieces, 2)
+    assert 'X box, √ box on target' in text(prompt) and '你好 √' in text(odd)
+    empty = re.findall(r'<span class="tok [^"]*" title="([^"]*)"></span>', prompt + odd)
+    assert empty and all(title.endswith('part of a character that a later token completes') for title in empty)
+    assert '\ufffd' not in w.to_html()
+
+
 # ---------------------------------------------------------------- widget
 def test_widget_from_file(trajs, tmp_path):
     path = tmp_path/'r.jsonl'
@@ -201,7 +218,9 @@ def test_widget_static_html(trajs):
     assert page.count('not sure $\\frac{') == len(trajs) and '你好' in page
     assert page.count('class="tok ') == sum(map(len, trajs))
     bundle = w._repr_mimebundle_()
-    assert bundle['text/html'] == page and 'application/vnd.jupyter.widget-view+json' in bundle
+    assert bundle['text/html'].endswith(w.to_html(max_trajectories=1)) and f'trajectory #0 of {len(trajs)}' in bundle['text/html']
+    assert 'application/vnd.jupyter.widget-view+json' in bundle
+    assert TrajectoryWidget(trajs[:1], tokenizer())._repr_mimebundle_()['text/html'] == TrajectoryWidget(trajs[:1], tokenizer()).to_html()
 
 def test_widget_without_tokenizer(trajs):
     w = TrajectoryWidget(trajs[:1])
