@@ -4,15 +4,20 @@
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'GGUF_PACKAGE', 'GGUF_FILE', 'default_device', 'default_dtype', 'cache_dir', 'embedded_gguf',
-           'embedded_path', 'resolve', 'load_tokenizer', 'quiet_hf_bars', 'load_model', 'tiny_model']
+           'embedded_path', 'resolve', 'load_tokenizer', 'quiet_hf_bars', 'load_model', 'tiny_model', 'files_problem',
+           'check_model']
 
 # %% ../nbs/02_models.ipynb #ad9d7dff
-import os, shutil, tempfile, importlib.util
+import os, json, shutil, tempfile, importlib.util
 from contextlib import contextmanager
 from pathlib import Path
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
+from huggingface_hub import constants as hf_constants, model_info, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
 
 # %% ../nbs/02_models.ipynb #e6f50a19
 def default_device() -> torch.device:
@@ -72,6 +77,9 @@ def resolve(name: str) -> str:
     if (path/'actor'/'config.json').exists(): return str(path/'actor')
     if path.exists(): raise FileNotFoundError(f"{path} exists but holds no config.json (nor actor/config.json): "
                                               "is it a model or checkpoint folder?")
+    if path.is_absolute() or name.startswith(('.', '~')) or name.count('/') > 1:   # a hub id is `name` or `owner/name`
+        raise FileNotFoundError(f"no model folder {name}: give a folder holding config.json, a checkpoint folder, "
+                                f"a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or {EMBEDDED!r}")
     return name
 
 def load_tokenizer(name: str = EMBEDDED):
@@ -107,3 +115,48 @@ def tiny_model(tokenizer=None, seed: int = 0, hidden: int = 64, layers: int = 2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config).eval()
+
+# %% ../nbs/02_models.ipynb #1b46dc40
+def files_problem(folder) -> str | None:
+    "The first file under `folder` that is cut short or damaged (a JSON file that does not parse, a safetensors file whose header does not cover it exactly), or None; reads headers, not weights."
+    for path in sorted(Path(folder).rglob('*')):
+        try:
+            if path.suffix == '.json': json.loads(path.read_text())
+            elif path.suffix == '.safetensors':
+                with safe_open(path, 'pt'): pass
+        except (ValueError, OSError, SafetensorError) as e: return f"{path} is cut short or damaged ({e})"
+    return None
+
+def _check_hub(name: str) -> str:
+    "Hub id `name`, checked: a valid id that is in the local hub cache or known to a reachable hub."
+    try: validate_repo_id(name)
+    except HFValidationError as e:
+        raise ValueError(f"{name!r} is neither a model folder nor a hub id ({e}): give a folder holding config.json, a "
+                         f"checkpoint folder, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or {EMBEDDED!r}") from None
+    if isinstance(try_to_load_from_cache(name, 'config.json'), str): return name
+    elsewhere = (f"download it where there is network (`hf download {name}`) and set HF_HUB_OFFLINE=1 here, "
+                 f"or use a local folder or the embedded model {EMBEDDED!r}")
+    if hf_constants.HF_HUB_OFFLINE: raise FileNotFoundError(f"{name} is not in the local hub cache and HF_HUB_OFFLINE is set: {elsewhere}")
+    try: model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{name} is neither a folder here nor a model on the hub (a private or gated one needs "
+                                "`hf auth login`): check the name") from None
+    except HfHubHTTPError as e: raise ConnectionError(f"the hub refused {name} ({e}): try again later, or {elsewhere}") from None
+    except Exception as e:   # no route, DNS, timeout, proxy: whatever stops the request
+        raise ConnectionError(f"cannot reach the model hub to fetch {name} ({type(e).__name__}: {e}); without network, "
+                              f"{elsewhere}") from None
+    return name
+
+def check_model(name: str) -> str:
+    "`resolve(name)`, checked before any weights load: raises, naming the fix, when a folder lacks a readable config or weights or holds a damaged file, or a hub id is neither cached nor reachable."
+    where = resolve(name)
+    folder = Path(where)
+    if not folder.is_dir(): return _check_hub(where)
+    try: AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{folder/'config.json'} is not a config transformers can read ({e}): copy the model again") from None
+    if not any(folder.glob('*.safetensors')) and not any(folder.glob('*.bin')):
+        raise FileNotFoundError(f"{folder} holds config.json but no weights (model.safetensors): copy the whole model folder")
+    problem = files_problem(folder)
+    if problem: raise ValueError(f"{problem}: copy the model again, or point to another checkpoint")
+    return where

@@ -51,3 +51,48 @@ def test_conversion_is_atomic_across_processes(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1] == str(tmp_path/EMBEDDED)
     assert sorted(p.name for p in tmp_path.iterdir()) == [EMBEDDED]   # no leftover temporary folders
+
+
+def test_check_model_finds_what_would_fail_the_load_without_loading(tmp_path, monkeypatch):
+    from ragen_nb.models import check_model
+    import transformers
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, 'from_pretrained', lambda *a, **k: pytest.fail('weights loaded'))
+    tok = load_tokenizer()
+    tiny_model(tok).save_pretrained(tmp_path/'m'); tok.save_pretrained(tmp_path/'m')
+    assert check_model(str(tmp_path/'m')) == str(tmp_path/'m')
+    weights, config = tmp_path/'m'/'model.safetensors', tmp_path/'m'/'config.json'
+    whole, settings = weights.read_bytes(), config.read_text()
+    for cut in (len(whole) - 1, len(whole) // 2, 4):                # a copy stopped anywhere, even inside the header
+        weights.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match='model.safetensors is cut short'): check_model(str(tmp_path/'m'))
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match='no weights'): check_model(str(tmp_path/'m'))
+    weights.write_bytes(whole); config.write_text(settings[:len(settings) // 2])
+    with pytest.raises(ValueError, match='not a config transformers can read'): check_model(str(tmp_path/'m'))
+    config.write_text(settings)
+    (tmp_path/'m'/'tokenizer.json').write_text('{"truncated": ')
+    with pytest.raises(ValueError, match='tokenizer.json is cut short'): check_model(str(tmp_path/'m'))
+    with pytest.raises(FileNotFoundError, match='no model folder'): check_model(str(tmp_path/'absent'))
+    with pytest.raises(FileNotFoundError, match='no model folder'): check_model('./models/m')
+
+
+def test_check_model_names_the_fix_when_the_hub_cannot_be_asked(monkeypatch):
+    import functools, huggingface_hub, ragen_nb.models
+    from ragen_nb.models import check_model
+    with pytest.raises(ValueError, match='neither a model folder nor a hub id'): check_model('Qwen/Qwen 2.5')
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+    with pytest.raises(FileNotFoundError, match='not in the local hub cache and HF_HUB_OFFLINE is set'):
+        check_model('ragen-nb-tests/no-such-model')
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', False)
+    refused = huggingface_hub.HfApi(endpoint='http://127.0.0.1:9')   # nobody listens there: as without network
+    monkeypatch.setattr(ragen_nb.models, 'model_info', functools.partial(refused.model_info))
+    t0 = time.perf_counter()
+    with pytest.raises(ConnectionError, match="cannot reach the model hub.*HF_HUB_OFFLINE=1.*'smollm2-135m'"):
+        check_model('ragen-nb-tests/no-such-model')
+    assert time.perf_counter() - t0 < 10                             # no retries with back-off
+    class Missing(huggingface_hub.errors.RepositoryNotFoundError):
+        def __init__(self): Exception.__init__(self, '404')
+    def not_there(*a, **k): raise Missing()
+    monkeypatch.setattr(ragen_nb.models, 'model_info', not_there)   # the hub answers: no such repository
+    with pytest.raises(FileNotFoundError, match='neither a folder here nor a model on the hub'):
+        check_model('ragen-nb-tests/no-such-model')
