@@ -103,8 +103,10 @@ def curate(output, seed: int = 10000, train_size: int = 10000, test_size: int = 
     settings = (settings or EnvSettings.from_env()).validate()
     if prefix not in TEMPLATES: raise ValueError(f"prefix={prefix!r}: use one of {TEMPLATES}")
     if train_size < 0 or test_size < 0: raise ValueError('train_size and test_size must be >= 0')
+    output = Path(output)
+    if output.exists() and not output.is_dir(): raise NotADirectoryError(f"{output} is a file: give a folder for the parquet files")
+    output.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or load_tokenizer()
-    output = Path(output); output.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, seeds in split_seeds(seed, train_size, test_size).items():
         rows = [room_row(split, s, settings, tokenizer, prefix, think)
@@ -123,15 +125,19 @@ SCHEMA = pa.schema([('split', pa.string()), ('seed', pa.int64()), ('dim_x', pa.i
                     ('template', pa.string()), ('prompt', pa.string())])
 
 def load_split(path, settings: EnvSettings | None = None) -> list[dict]:
-    "Rows of a curated split, checked: readable, the right columns, rooms that parse, and (if given) the same `settings`."
+    "Rows of a curated split, checked: readable, the right columns and types, rooms that parse, and (if given) the same `settings`."
     path = Path(path)
-    regen = "regenerate it with `ragen_nb data --output <dir>`"
-    if not path.exists(): raise FileNotFoundError(f"{path} does not exist; {regen}")
+    regen = f"regenerate it with `ragen_nb data --output {path.parent}`"
+    if not path.exists(): raise FileNotFoundError(f"{path} does not exist: check the folder, or curate it with `ragen_nb data --output {path.parent}`")
     try: table = pq.read_table(path)
     except Exception as e: raise ValueError(f"{path} is not a readable parquet file ({e}); {regen}") from None
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing: raise ValueError(f"{path} lacks columns {missing}: not a ragen_nb dataset; {regen}")
-    rows = table.select(list(COLUMNS)).to_pylist()
+    try: table = table.select(list(COLUMNS)).cast(SCHEMA)
+    except pa.ArrowException as e: raise ValueError(f"{path} holds columns of the wrong type ({e}); {regen}") from None
+    empty = [c for c in COLUMNS if table.column(c).null_count]
+    if empty: raise ValueError(f"{path} has empty cells in columns {empty}; {regen}")
+    rows = table.to_pylist()
     for row in rows:
         try: room_from_text(row['room'])
         except ValueError as e: raise ValueError(f"{path}: seed {row['seed']} holds a broken room ({e}); {regen}") from None

@@ -62,3 +62,19 @@ def test_followup_continues_the_chat_template(tok):
                                      {'role': 'assistant', 'content': reply},
                                      {'role': 'user', 'content': message}], add_generation_prompt=True, tokenize=False)
     assert turn_by_turn == whole
+
+
+def test_wrong_types_and_empty_cells_are_refused_naming_the_folder(tmp_path, tok):
+    import pyarrow as pa
+    paths = curate(tmp_path, seed=1, train_size=3, test_size=1, tokenizer=tok, progress=False)
+    table = pq.read_table(paths['train'])
+    fix = f'ragen_nb data --output {tmp_path}'                       # the message names this folder, not a placeholder
+    pq.write_table(table.set_column(1, 'seed', pa.array(['one', 'two', 'three'])), tmp_path/'types.parquet')
+    with pytest.raises(ValueError, match=f'wrong type.*{fix}'): load_split(tmp_path/'types.parquet')
+    pq.write_table(table.set_column(7, 'room', pa.array([None, 'x', 'y'], pa.string())), tmp_path/'empty.parquet')
+    with pytest.raises(ValueError, match=r"empty cells in columns \['room'\]"): load_split(tmp_path/'empty.parquet')
+    pq.write_table(table.set_column(1, 'seed', pa.array([1, 2, 3], pa.int32())), tmp_path/'int32.parquet')
+    assert [r['seed'] for r in load_split(tmp_path/'int32.parquet')] == [1, 2, 3]   # a safe cast is fine
+    with pytest.raises(FileNotFoundError, match=fix): load_split(tmp_path/'absent.parquet')
+    (tmp_path/'file').write_text('')
+    with pytest.raises(NotADirectoryError, match='is a file'): curate(tmp_path/'file', train_size=1, test_size=1, tokenizer=tok)
