@@ -1,0 +1,299 @@
+"SFT: demonstrations equal the rollout's episodes, the loss mask is their answers, a step raises their logprobs, every setting reaches the run, and checkpoints start `train`."
+import dataclasses, json, re, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ragen_nb.sft as sft_module
+from ragen_nb.masking import collate, forward_logprobs, masked_mean
+from ragen_nb.models import load_model, load_tokenizer, tiny_model
+from ragen_nb.ppo import policy_loss
+from ragen_nb.rollout import RolloutConfig, ScriptedEngine, rollout
+from ragen_nb.sft import (SFT_FILE, SFTConfig, demonstration, demonstrations, llm_logprobs, llm_logprobs_shared, sft,
+                          sft_help, sft_loss, sft_main, sft_step, single_turn_demonstrations, think_text)
+from ragen_nb.sokoban import ACTIONS, EnvSettings, SokobanEnv, solve
+from ragen_nb.tokens import ENV, LLM, PROMPT
+from ragen_nb.trainer import Config, train_main
+
+SEED_SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
+SEEDS = range(10000, 10040)
+
+
+@pytest.fixture(scope='module')
+def tok(): return load_tokenizer()
+
+
+@pytest.fixture(scope='module')
+def tiny_dir(tok, tmp_path_factory):
+    "A tiny random model saved as a folder, so BASE_MODEL can point at it."
+    d = tmp_path_factory.mktemp('tiny')
+    tiny_model(tok).save_pretrained(d); tok.save_pretrained(d)
+    return d
+
+
+def scripted_bfs(seed, think):
+    "A reply function: the solver's move for the turn being answered (found here, apart from `demonstration`), then a ramble."
+    env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
+    plan = solve(env.room_fixed, env.room_state)
+    def reply(context):
+        turn = context.count('<|im_start|>assistant')
+        room = re.findall(r'(?:^[#_OX√PS]+\n)+', context, re.MULTILINE)[-1].strip()
+        thought = f'{think_text(room)}</think><answer>' if think else ''
+        return f'{thought}{ACTIONS[plan[turn - 1]]}</answer><|im_end|>\n<|im_start|>user\nDone'
+    return reply
+
+
+def tiny_args(tiny_dir, out, name, *extra):
+    return [f'BASE_MODEL={tiny_dir}', f'OUTPUT_DIR={out}', f'EXPERIMENT_NAME={name}', 'TRAIN_BATCH_SIZE=2',
+            'MICRO_BATCH_SIZE=1', 'TOTAL_STEPS=2', 'LORA_RANK=0', 'DATA_DIR=/nonexistent', *extra]
+
+
+def read_metrics(run):
+    return [json.loads(l) for l in (Path(run)/'metrics.jsonl').read_text().splitlines()]
+
+
+# --- demonstrations -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('think', [False, True])
+def test_demonstrations_are_the_rollouts_episodes_and_solve_their_rooms(tok, think):
+    cfg, compared = RolloutConfig(think=think), 0
+    for seed in SEEDS:
+        demo = demonstration(tok, seed, SEED_SETTINGS, cfg)
+        env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
+        shortest = solve(env.room_fixed, env.room_state)
+        if shortest is None or len(shortest) > 5:
+            assert demo is None; continue                                          # skipped: BFS needs more than 5 moves
+        played = rollout(ScriptedEngine(tok, scripted_bfs(seed, think)), tok, [seed], SEED_SETTINGS, cfg)[0]
+        assert dataclasses.asdict(played) == dataclasses.asdict(demo)
+        for action in demo.actions: *_, done, info = env.step(action)              # replayed in a fresh env: solved
+        assert info['success'] and demo.success and len(demo.actions) == len(shortest)
+        compared += 1
+    assert compared >= 30
+
+
+def test_unsolvable_rooms_are_counted_and_skipped(tok):
+    demos, skipped = demonstrations(tok, SEEDS, SEED_SETTINGS)
+    lengths = {}
+    for seed in SEEDS:
+        env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
+        lengths[seed] = len(solve(env.room_fixed, env.room_state) or range(99))
+    assert skipped == [s for s in SEEDS if lengths[s] > 5] and len(skipped) > 0
+    assert [d.seed for d in demos] == [s for s in SEEDS if lengths[s] <= 5]
+    # a shorter episode skips more: MAX_TURNS=2 keeps only rooms of one or two moves
+    _, skipped2 = demonstrations(tok, SEEDS, SEED_SETTINGS, RolloutConfig(max_turns=2))
+    assert skipped2 == [s for s in SEEDS if lengths[s] > 2]
+
+
+def test_single_turn_demonstrations_pose_each_state_of_the_path_as_a_first_prompt(tok):
+    for seed in (10000, 10003, 10005):
+        multi = demonstration(tok, seed, SEED_SETTINGS)
+        singles = single_turn_demonstrations(tok, seed, SEED_SETTINGS)
+        assert [s.actions[0] for s in singles] == multi.actions and singles[-1].success
+        played = rollout(ScriptedEngine(tok, scripted_bfs(seed, False)), tok, [seed], SEED_SETTINGS, RolloutConfig(max_turns=1))[0]
+        assert dataclasses.asdict(played) == dataclasses.asdict(singles[0])                   # the first: a 1-turn rollout
+        rooms = [SokobanEnv(SEED_SETTINGS).reset(seed=seed)] + multi.observations[:-1]
+        for room, s in zip(rooms, singles):
+            n_prompt, n_answer = s.sources.count(PROMPT), len(tok.encode(s.responses[0], add_special_tokens=False))
+            assert s.sources == [PROMPT] * n_prompt + [LLM] * n_answer + [ENV]                # prompt, answer, the closing eos
+            assert tok.decode(s.ids[:n_prompt]).count(room) == 1                              # the room before this move
+
+
+def test_the_loss_mask_covers_exactly_the_demonstrated_answers(tok):
+    demos = [demonstration(tok, s, SEED_SETTINGS, RolloutConfig(think=t)) for s, t in ((10000, False), (10003, True))]
+    b = collate(demos, tok.pad_token_id)
+    for row, demo in enumerate(demos):
+        masked = b.input_ids[row][b.loss_mask[row].bool()].tolist()
+        answers = [tok.encode(r, add_special_tokens=False) for r in demo.responses]
+        assert masked == sum(answers, [])                                         # the answers' ids, nothing else
+        assert tok.decode(masked) == ''.join(demo.responses)
+        assert all(r.endswith('</answer>') for r in demo.responses)
+        ids, mask = b.input_ids[row].tolist(), b.loss_mask[row].tolist()
+        closing = [i + 1 for i in range(len(ids) - 1) if mask[i] and not mask[i + 1]]   # right after each answer
+        assert [ids[i] for i in closing] == [tok.eos_token_id] * len(demo.responses)   # the eos closing it is not trained
+
+
+def test_a_demonstrated_answer_longer_than_a_turn_is_an_error(tok):
+    with pytest.raises(ValueError, match='MAX_RESPONSE_LENGTH'):
+        demonstration(tok, 10000, SEED_SETTINGS, RolloutConfig(think=True, max_response_length=10))
+
+
+# --- the loss -------------------------------------------------------------------------------------------------------
+
+def test_sft_loss_is_ppos_loss_with_advantage_one_at_ratio_one(tok):
+    b = collate(demonstrations(tok, range(10000, 10004), SEED_SETTINGS)[0], tok.pad_token_id)
+    model = tiny_model(tok)
+    def grad(loss_fn):
+        model.zero_grad(); loss = loss_fn(forward_logprobs(model, b)); loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+    sft_value, g_sft = grad(lambda lp: sft_loss(lp, b.loss_mask))
+    ppo_value, g_ppo = grad(lambda lp: policy_loss(lp, lp.detach(), torch.ones_like(lp), b.loss_mask)[0])
+    torch.testing.assert_close(g_ppo, g_sft)                      # the gradients agree; the values do not:
+    assert ppo_value.item() == pytest.approx(-1.0)                   # PPO's surrogate at ratio 1 is −mean(A)
+    adv = torch.randn(b.loss_mask.shape, generator=torch.Generator().manual_seed(1))
+    _, g_ppo = grad(lambda lp: policy_loss(lp, lp.detach(), adv, b.loss_mask)[0])
+    _, g_weighted = grad(lambda lp: masked_mean(-adv * lp, b.loss_mask))
+    torch.testing.assert_close(g_ppo, g_weighted)
+    # by hand: the mean of −log p over the masked positions, in a plain loop
+    with torch.no_grad(): lp = forward_logprobs(model, b)
+    picked = [-lp[i, j].item() for i in range(len(b)) for j in range(b.input_ids.shape[1]) if b.loss_mask[i, j]]
+    assert sft_value.item() == pytest.approx(sum(picked) / len(picked), rel=1e-5)
+
+
+@pytest.mark.parametrize('multi_turn', [True, False])
+def test_fast_logprobs_equal_the_reference(tok, multi_turn):
+    b = collate(demonstrations(tok, range(10000, 10004), SEED_SETTINGS, multi_turn=multi_turn)[0], tok.pad_token_id)
+    model = tiny_model(tok)
+    reference = forward_logprobs(model, b)[b.loss_mask.bool()]
+    g = []
+    for fn in (llm_logprobs, llm_logprobs_shared):
+        model.zero_grad(); lp = fn(model, b)
+        torch.testing.assert_close(lp, reference, atol=1e-5, rtol=1e-5)
+        lp.sum().backward(); g.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad(); reference.sum().backward()
+    for grad in g: torch.testing.assert_close(grad, torch.cat([p.grad.flatten() for p in model.parameters()]), atol=1e-5, rtol=1e-4)
+
+
+def test_one_step_raises_the_demonstrated_tokens_logprobs_full_and_lora(tok):
+    demos = demonstrations(tok, range(10000, 10003), SEED_SETTINGS)[0]
+    b = collate(demos, tok.pad_token_id)
+    for lora_rank in (0, 8):
+        model = tiny_model(tok)
+        if lora_rank: model = sft_module._with_lora(model, Config(lora_rank=lora_rank), None)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        with torch.no_grad(): before = llm_logprobs(model, b)
+        stats = sft_step(model, opt, demos, tok.pad_token_id, micro_batch_size=2)
+        with torch.no_grad(): after = llm_logprobs(model, b)
+        assert after.mean() > before.mean() and stats['loss'] == pytest.approx(-before.mean().item(), rel=1e-4)
+        assert stats['llm_tokens'] == int(b.loss_mask.sum()) and not model.training
+
+
+def test_micro_batches_and_the_shared_prefix_leave_the_step_unchanged(tok):
+    demos = demonstrations(tok, range(10000, 10006), SEED_SETTINGS)[0][:4]
+    after = []
+    for micro, share in ((4, False), (1, False), (2, True), (4, True)):
+        model = tiny_model(tok)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sft_step(model, opt, demos, tok.pad_token_id, micro_batch_size=micro, share_prefix=share)
+        after.append(torch.nn.utils.parameters_to_vector(model.parameters()))
+    for a in after[1:]: torch.testing.assert_close(a, after[0], atol=1e-5, rtol=1e-5)
+
+
+def test_nonfinite_step_raises_and_applies_nothing(tok):
+    demos = demonstrations(tok, range(10000, 10002), SEED_SETTINGS)[0]
+    model = tiny_model(tok)
+    with torch.no_grad(): model.model.norm.weight.fill_(float('nan'))
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(FloatingPointError, match='step 7'): sft_step(model, opt, demos, tok.pad_token_id, 1, step=7)
+    assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()).nan_to_num(), before.nan_to_num())
+
+
+# --- settings and the run -------------------------------------------------------------------------------------------
+
+def test_help_lists_every_setting_with_its_doc(capsys):
+    assert sft_main(['--help']) == 0
+    text = capsys.readouterr().out
+    settings = text.splitlines()[2:]
+    assert len(settings) == len(dataclasses.fields(SFTConfig)) and all(len(l.split(None, 1)) == 2 for l in settings)
+    for f in dataclasses.fields(SFTConfig): assert f'{f.name.upper()}={f.default}' in text
+    assert text == sft_help() + '\n'
+
+
+@pytest.mark.parametrize('args, says', [(['LR=0'], 'lr=0'), (['MICRO_BATCH_SIZE=3'], 'must divide'),
+                                        (['CLIP_RATIO=0.2'], 'unknown setting'), (['LR_SCHEDULER=poly'], 'lr_scheduler'),
+                                        (['TOTAL_STEPS=ten'], 'an integer'), (['DIM_X=2'], 'dim'),
+                                        (['WARMUP_STEPS_RATIO=1'], 'warmup'), (['MAX_TURNS=0'], 'max_turns'),
+                                        (['THINK=True', 'MAX_RESPONSE_LENGTH=10'], 'MAX_RESPONSE_LENGTH')])
+def test_bad_settings_are_one_error_line_before_any_model_loads(tmp_path, monkeypatch, capsys, args, says):
+    def no_model(*a, **k): raise AssertionError('a model was loaded')
+    monkeypatch.setattr(sft_module, 'load_model', no_model)
+    assert sft_main([f'OUTPUT_DIR={tmp_path}', *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith('error: ') and says in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_command_line_rejects_bad_settings_and_a_used_folder(tmp_path):
+    r = subprocess.run([sys.executable, '-m', 'ragen_nb.cli', 'sft', 'LR=-1'], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ['error: lr=-1.0: must be > 0']
+    (tmp_path/'used').mkdir(); (tmp_path/'used'/'metrics.jsonl').write_text('')
+    r = subprocess.run([sys.executable, '-m', 'ragen_nb.cli', 'sft', f'OUTPUT_DIR={tmp_path}', 'EXPERIMENT_NAME=used'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and 'already holds a run' in r.stderr and r.stderr.count('\n') == 1
+
+
+def test_env_variables_set_the_rooms_but_not_the_run(monkeypatch):
+    for k, v in {'SEARCH_DEPTH': '4', 'MAX_TURNS': '2', 'TRAIN_BATCH_SIZE': '128', 'EXPERIMENT_NAME': 'rl'}.items():
+        monkeypatch.setenv(k, v)
+    cfg = SFTConfig.from_env(['MAX_TURNS=3'])
+    assert (cfg.search_depth, cfg.max_turns, cfg.train_batch_size, cfg.experiment_name) == (4, 3, 8, 'sft-smollm2-135m')
+
+
+def test_rollout_config_is_trains(tok):
+    for args in ([], ['THINK=True', 'MAX_TURNS=2', 'MAX_OBS_LENGTH=90', 'TEMPLATE=base']):
+        assert SFTConfig.from_args(args).rollout_config() == Config.from_args(args).rollout_config()
+
+
+def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_path, monkeypatch):
+    seen_batches = []
+    real_collate = sft_module.collate
+    monkeypatch.setattr(sft_module, 'collate', lambda trajs, pad: seen_batches.append(len(trajs)) or real_collate(trajs, pad))
+    monkeypatch.setattr(sft_module, 'val_seeds', lambda cfg: list(range(20000, 20000 + cfg.val_rooms)))
+    args = tiny_args(tiny_dir, tmp_path, 'run', 'TOTAL_STEPS=4', 'TRAIN_BATCH_SIZE=4', 'MICRO_BATCH_SIZE=2', 'SAVE_FREQ=2',
+                     'TEST_FREQ=3', 'VAL_ROOMS=3', 'LR=0.01', 'LR_SCHEDULER=linear', 'WARMUP_STEPS_RATIO=0.5', 'MAX_TURNS=2')
+    assert sft_main(args) == 0
+    rows = read_metrics(tmp_path/'run')
+    assert [r['step'] for r in rows] == [1, 2, 3, 4] and seen_batches == [2] * 8          # 4 steps of 2 micro-batches of 2
+    assert [r['examples'] for r in rows] == [4, 8, 12, 16]
+    assert [round(r['lr'], 6) for r in rows] == [0.0, 0.005, 0.01, 0.005]                # warm-up 2 steps, then linear to 0
+    assert [r.get('val/rooms') for r in rows] == [None, None, 3, 3]                     # every 3 steps and after the last
+    assert rows[-1]['rooms_skipped'] > 0 and rows[-1]['answers'] <= 2 * rows[-1]['examples']   # MAX_TURNS=2: rooms of 1-2 moves
+    assert sorted(p.name for p in (tmp_path/'run').iterdir()) == ['global_step_2', 'global_step_4', 'metrics.jsonl']
+    saved = json.loads((tmp_path/'run'/'global_step_4'/SFT_FILE).read_text())
+    assert saved['step'] == 4 and saved['config']['lr'] == 0.01 and saved['metrics'] == rows[-1]
+
+
+def test_multi_turn_seed_and_think_change_the_examples(tok, tiny_dir, tmp_path, monkeypatch):
+    batches = {}
+    def spy(name):
+        def step(model, opt, trajs, *args, **kwargs):
+            batches.setdefault(name, []).append(trajs)
+            opt.step()                                                  # no gradients: nothing moves
+            return dict(loss=1.0, grad_norm=0.0, llm_tokens=1, tokens=1)
+        return step
+    for name, extra in (('multi', []), ('single', ['MULTI_TURN=False']), ('seed1', ['SEED=1']), ('think', ['THINK=True'])):
+        monkeypatch.setattr(sft_module, 'sft_step', spy(name))
+        assert sft_main(tiny_args(tiny_dir, tmp_path, name, 'TOTAL_STEPS=1', 'TRAIN_BATCH_SIZE=4', *extra)) == 0
+    first = {k: v[0] for k, v in batches.items()}
+    assert all(len(t.actions) == 1 for t in first['single']) and max(len(t.actions) for t in first['multi']) > 1
+    assert [t.seed for t in first['seed1']] != [t.seed for t in first['multi']]
+    assert all('<think>' in tok.decode(t.ids) for t in first['think']) and not any('</think>' in tok.decode(t.ids) for t in first['multi'])
+
+
+def test_share_prefix_chooses_the_shared_forward(tok, tiny_dir, tmp_path, monkeypatch):
+    calls = []
+    real = sft_module.llm_logprobs_shared
+    monkeypatch.setattr(sft_module, 'llm_logprobs_shared', lambda *a: calls.append('shared') or real(*a))
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'on', 'TOTAL_STEPS=1', 'SHARE_PREFIX=True')) == 0
+    assert calls == ['shared', 'shared']                        # one step, two micro-batches of one
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'off', 'TOTAL_STEPS=1', 'SHARE_PREFIX=False')) == 0
+    assert calls == ['shared', 'shared']                        # none more
+
+
+@pytest.mark.parametrize('lora_rank', [0, 4])
+def test_a_checkpoint_starts_train_as_base_model(tok, tiny_dir, tmp_path, lora_rank):
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'sft', f'LORA_RANK={lora_rank}', 'LR=0.01')) == 0
+    ckpt = tmp_path/'sft'/'global_step_2'
+    assert (ckpt/'actor_lora').exists() == bool(lora_rank) and (ckpt/'actor'/'config.json').exists()
+    demos = demonstrations(tok, range(10000, 10002), SEED_SETTINGS)[0]
+    b = collate(demos, tok.pad_token_id)
+    with torch.no_grad():
+        start, tuned = forward_logprobs(load_model(str(tiny_dir), device='cpu'), b), forward_logprobs(load_model(str(ckpt), device='cpu'), b)
+    assert masked_mean(tuned - start, b.loss_mask) > 0                                  # SFT moved the demonstrated tokens up
+    assert train_main([f'BASE_MODEL={ckpt}', f'OUTPUT_DIR={tmp_path}', 'EXPERIMENT_NAME=rl', 'TOTAL_STEPS=1', 'TRAIN_BATCH_SIZE=2',
+                       'PPO_BATCH_SIZE=2', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6', 'TEST_FREQ=0', 'SAVE_FREQ=1',
+                       'ROLLOUT_ENGINE=hf', 'KL_COEF=0', 'GCP=False', f'LORA_RANK={lora_rank}', 'ACTOR_LR=1e-9',
+                       'CRITIC_LR=1e-9']) == 0
+    with torch.no_grad(): after_rl = forward_logprobs(load_model(str(tmp_path/'rl'/'global_step_1'), device='cpu'), b)
+    torch.testing.assert_close(after_rl, tuned, atol=1e-3, rtol=0)                       # RL started from the SFT weights
