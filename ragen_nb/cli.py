@@ -17,7 +17,7 @@ from .models import EMBEDDED
 import dataclasses, gc, json, math
 from .engines import VLLMEngine, vllm_available
 from .evaluate import MAX_ENUMERATED_TURNS, baselines, format_table, heldout_seeds, model_rows, turn_budget
-from .models import default_dtype, load_model, load_tokenizer, resolve
+from .models import check_model, default_dtype, load_model, load_tokenizer, resolve
 from .rollout import HFEngine, RolloutConfig
 
 def eval_plan(n: int = 200, data: str | None = None, settings: EnvSettings | None = None, max_turns: int = 5,
@@ -34,7 +34,7 @@ def eval_plan(n: int = 200, data: str | None = None, settings: EnvSettings | Non
         raise ValueError(f'min(--max_turns, MAX_STEPS) = {turn_budget(settings, max_turns)}: the exact baselines enumerate 4^turns '
                          f'sequences, at most {MAX_ENUMERATED_TURNS} turns; lower --max_turns or --max_steps')
     if engine == 'vllm' and not vllm_available(): raise ValueError('--engine vllm needs vLLM: run `bash .ci/vllm`, or use --engine hf')
-    for name in models: resolve(name)   # a folder without config.json fails here, not after minutes of baselines
+    for name in models: check_model(name)   # a mistyped name, a damaged folder or no network fails here, not after minutes
     context = 400 + max_turns * (max_response_length + 1) + (max_turns - 1) * 120   # RolloutConfig's default prompt and reply limits
     cfg = RolloutConfig(max_turns=max_turns, max_response_length=max_response_length, max_context_length=context,
                         template=template, think=think)
@@ -133,21 +133,30 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser('train', add_help=False, help='PPO on Sokoban; KEY=value settings, listed by `ragen_nb train --help`')
     sub.add_parser('train-cpu', add_help=False, help='the main job: `train` with MAIN_JOB settings, sized for a laptop CPU '
                    '(about 30 min on 2 cores); KEY=value settings override them')
+    sub.add_parser('sft', add_help=False, help='supervised fine-tuning on BFS demonstrations (13); KEY=value settings, '
+                   'listed by `ragen_nb sft --help`; its checkpoints start `train` with BASE_MODEL=<checkpoint>')
     return p
 
 def main(argv: list[str] | None = None) -> int:
-    "Entry point of the `ragen_nb` command."
+    "Entry point of the `ragen_nb` command; a mistake a user can make (settings, model, data, output folder) ends in one `error:` line and exit code 2, found before anything slow starts."
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (['train'], ['train-cpu']):
         from ragen_nb.trainer import train_main
         if argv[:1] == ['train-cpu'] and any(a in ('-h', '--help') for a in argv):
             print(f"ragen_nb train-cpu [KEY=value ...]: ragen_nb train {' '.join(MAIN_JOB)} [KEY=value ...]\n"); return train_main(['--help'])
         return train_main((MAIN_JOB if argv[0] == 'train-cpu' else []) + argv[1:])
+    if argv[:1] == ['sft']:
+        from ragen_nb.sft import sft_main
+        return sft_main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == 'data':
-        from ragen_nb.models import load_tokenizer
-        paths = curate(args.output, args.seed, args.train_size, args.test_size, args.prefix,
-                       tokenizer=load_tokenizer(args.model))
+        from ragen_nb.models import check_model, load_tokenizer
+        try:
+            settings = EnvSettings.from_env().validate()   # a bad DIM_X or a missing model fails before the tokenizer loads
+            check_model(args.model)
+            paths = curate(args.output, args.seed, args.train_size, args.test_size, args.prefix, settings,
+                           tokenizer=load_tokenizer(args.model))
+        except (ValueError, OSError) as e: print(f"error: {' '.join(str(e).split())}", file=sys.stderr); return 2
         for split, path in paths.items(): print(f'{split}: {path}')
     elif args.command == 'eval': return eval_main(args)
     return 0
