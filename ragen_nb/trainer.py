@@ -6,7 +6,7 @@
 __all__ = ['LOG_MODES', 'CRITICS', 'ENGINES', 'RAGEN_ENV_VARS', 'HEAD_FILE', 'METRICS', 'STATE_FILE', 'TRAIN_METRICS',
            'DEFAULT_SPLITS', 'Config', 'ValueModel', 'forward_values', 'policy_and_values', 'is_lora', 'ppo_step',
            'make_optimizers', 'save_checkpoint', 'load_training_state', 'room_seeds', 'batch_seeds',
-           'latest_checkpoint', 'train', 'config_help', 'train_main']
+           'checkpoint_problem', 'latest_checkpoint', 'train', 'config_help', 'check_run', 'train_main']
 
 # %% ../nbs/09_trainer.ipynb #21d1889a
 import copy, dataclasses, os, random, shutil, tempfile, typing
@@ -403,6 +403,7 @@ def save_checkpoint(folder: str | Path,  # the run's folder, e.g. output_dir/exp
     "Write actor, critic, optimizers and RNG states to `folder/global_step_{step}` atomically; return that path."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     target = folder/f'global_step_{step}'
+    for stale in folder.glob(f'.{target.name}-*'): shutil.rmtree(stale)   # the half-written folders of a killed save
     tmp = Path(tempfile.mkdtemp(prefix=f'.{target.name}-', dir=folder))
     try:
         with quiet_hf_bars():
@@ -439,10 +440,10 @@ def load_training_state(path: str | Path, actor_opt: torch.optim.Optimizer, crit
     return state['step']
 
 # %% ../nbs/09_trainer.ipynb #016f7cca
-import inspect, json, re, sys, time, warnings
+import inspect, json, re, sys, time, warnings, zipfile
 from tqdm import tqdm
 from .data import SPLITS, load_split, split_seeds
-from .models import load_model, load_tokenizer
+from .models import check_model, files_problem, load_model, load_tokenizer
 from .rollout import rollout, episode_metrics
 from .tokens import LLM
 from .viz import plot_run, save_trajectory_images, write_rollouts
@@ -471,12 +472,12 @@ TRAIN_METRICS = {
 DEFAULT_SPLITS = dict(seed=10000, train_size=10000, test_size=10)   # `ragen_nb data`'s defaults
 
 def room_seeds(cfg: Config) -> dict[str, list[int]]:
-    "Train and test room seeds: from `data_dir`'s parquet files when they exist (checked against the settings), else the default ranges."
-    default = split_seeds(**DEFAULT_SPLITS)
-    out = {}
-    for split in SPLITS:
-        path = Path(cfg.data_dir)/f'{split}.parquet'
-        out[split] = [r['seed'] for r in load_split(path, cfg.env_settings)] if path.exists() else list(default[split])
+    "Train and test room seeds from `data_dir`'s parquet files, checked against the settings; only the default `data_dir` may hold neither file, and then gives the default ranges (`train_main` says so)."
+    paths = {split: Path(cfg.data_dir)/f'{split}.parquet' for split in SPLITS}
+    if cfg.data_dir == Config.data_dir and not any(p.exists() for p in paths.values()):
+        return {split: list(seeds) for split, seeds in split_seeds(**DEFAULT_SPLITS).items()}
+    out = {split: [r['seed'] for r in load_split(path, cfg.env_settings)] for split, path in paths.items()}
+    for split, path in paths.items():
         if not out[split]: raise ValueError(f"{path} holds no rooms: curate it again with `ragen_nb data --output {cfg.data_dir}`")
     return out
 
@@ -516,20 +517,43 @@ def _load_models(cfg: Config, checkpoint: Path | None, device=None) -> tuple:
     ref = load_model(cfg.base_model, device=device).requires_grad_(False) if cfg.kl_coef > 0 and not lora else None
     return tok, actor, critic, ref
 
+def _checkpoints(run: str | Path) -> list[tuple[int, Path]]:
+    "`(step, folder)` of every `global_step_N` folder of run folder `run`, newest first, whole or not."
+    found = [(int(p.name.rpartition('_')[2]), p) for p in Path(run).glob('global_step_*') if p.name.rpartition('_')[2].isdigit()]
+    return sorted(found, reverse=True)
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    "Why checkpoint folder `path` cannot be resumed from (no `state.pt` or actor, a file cut short or damaged), found without loading it; None when it is whole."
+    path = Path(path)
+    if not (path/STATE_FILE).exists(): return f"it holds no {STATE_FILE}"
+    if not (path/'actor'/'config.json').exists(): return "it holds no actor/config.json"
+    try: zipfile.ZipFile(path/STATE_FILE).close()   # torch.save writes a zip archive, whose index is its last bytes
+    except (zipfile.BadZipFile, OSError) as e: return f"{path/STATE_FILE} is cut short or damaged ({e})"
+    return files_problem(path)
+
 def latest_checkpoint(run: str | Path) -> Path | None:
-    "The complete checkpoint of run folder `run` with the most steps (a `global_step_N` holding `state.pt`), or None."
-    found = [(int(p.name.rpartition('_')[2]), p) for p in Path(run).glob('global_step_*')
-             if p.name.rpartition('_')[2].isdigit() and (p/STATE_FILE).exists()]
-    return max(found)[1] if found else None
+    "The whole checkpoint of run folder `run` with the most steps (the newest `global_step_N` that `checkpoint_problem` passes), or None."
+    return next((p for _, p in _checkpoints(run) if checkpoint_problem(p) is None), None)
+
+def _read_jsonl(path: Path) -> list[tuple[dict, str]]:
+    "The records of JSONL log `path` with their lines; a last line cut by a kill is left out, any other line that is not a JSON record with a step is an error naming it."
+    lines = path.read_bytes().split(b'\n')
+    out = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip(): continue
+        try: line = raw.decode(); record = json.loads(line)
+        except ValueError: record = None   # not UTF-8, or not JSON
+        if not (isinstance(record, dict) and isinstance(record.get('step'), int)):
+            if i == len(lines): break   # the unfinished last line of a process that died writing it
+            raise ValueError(f"{path}, line {i}, is not a JSON record with a step ({raw[:60]!r}): a run only appends whole "
+                             "lines, so the file was edited or damaged; repair or delete that line, then resume")
+        out.append((record, line))
+    return out
 
 def _keep_steps(path: Path, keep_until: int):
-    "Rewrite the JSONL file `path`, if there is one, without its records past step `keep_until` or a line cut by a crash."
+    "Rewrite JSONL log `path`, if there is one, with the records of steps up to `keep_until` only (the checkpoint's step; 0, no checkpoint, keeps none: the run starts over, step-0 validation included)."
     if not path.exists(): return
-    kept = []
-    for line in path.read_text().splitlines():
-        try: record = json.loads(line)
-        except json.JSONDecodeError: break
-        if record['step'] <= keep_until: kept.append(line + '\n')
+    kept = [line + '\n' for record, line in _read_jsonl(path) if keep_until and record['step'] <= keep_until]
     tmp = path.with_suffix('.jsonl.tmp')
     tmp.write_text(''.join(kept)); tmp.replace(path)
 
@@ -674,13 +698,45 @@ def config_help() -> str:
         lines.append(f'  {key}={f.default}'.ljust(36) + f' {doc}{env}')
     return '\n'.join(lines)
 
+def check_run(cfg: Config) -> list[str]:
+    "What a user can get wrong, checked before any model loads: the rooms, the model, the run folder and, to resume, its checkpoints and logs. Raises ValueError or OSError naming the fix; returns what is worth saying, a line each."
+    notes = []
+    room_seeds(cfg)
+    if not any((Path(cfg.data_dir)/f'{split}.parquet').exists() for split in SPLITS):
+        train_seeds, test_seeds = split_seeds(**DEFAULT_SPLITS).values()
+        notes.append(f"{cfg.data_dir} holds no train.parquet or test.parquet: training on the default seeds {train_seeds.start}-"
+                     f"{train_seeds.stop - 1} and testing on {test_seeds.start}-{test_seeds.stop - 1} (`ragen_nb data --output "
+                     f"{cfg.data_dir}` curates a dataset there)")
+    check_model(cfg.base_model)
+    run = Path(cfg.output_dir)/cfg.experiment_name
+    if not cfg.resume:
+        if _checkpoints(run) or (run/'metrics.jsonl').exists():
+            raise FileExistsError(f"{run} already holds a run: pass RESUME=True to continue it, or pick another EXPERIMENT_NAME")
+        return notes
+    checkpoint = latest_checkpoint(run)
+    for _, path in _checkpoints(run):
+        if path == checkpoint: break
+        notes.append(f"{path.name} is not whole ({checkpoint_problem(path)}), so it is passed over; its steps are redone")
+    done = int(checkpoint.name.rpartition('_')[2]) if checkpoint else 0
+    logged = {name: {record['step'] for record, _ in _read_jsonl(run/name)}   # a damaged line fails now, not after loading
+              for name in ('metrics.jsonl', 'rollouts.jsonl') if (run/name).exists()}
+    missing = sorted(set(range(1, done + 1)) - logged.get('metrics.jsonl', set()))
+    if missing:
+        raise ValueError(f"{run/'metrics.jsonl'} lacks the lines of steps {missing}, which {checkpoint.name} has done: move the "
+                         f"checkpoints from global_step_{missing[0]} on out of {run} and resume, which redoes those steps, "
+                         "or start another EXPERIMENT_NAME")
+    notes.append(f"resuming {run} from {checkpoint.name}" if checkpoint else f"resuming {run} from the start: it holds no whole checkpoint")
+    return notes
+
 def train_main(argv: list[str]) -> int:
-    "Train from `KEY=value` arguments over RAGEN's exported variables (`--help`: the settings); 0 done, 1 stopped on a non-finite step, 2 bad settings."
+    "Train from `KEY=value` arguments over RAGEN's exported variables (`--help`: the settings); 0 done, 1 stopped on a non-finite step, 2 a mistake `check_run` found (one `error:` line, before any model loads)."
     if any(a in ('-h', '--help') for a in argv): print(config_help()); return 0
-    try: cfg = Config.from_env(argv)
-    except ValueError as e: print(f"error: {e}", file=sys.stderr); return 2
-    try: out = train(cfg)
-    except FileExistsError as e: print(f"error: {e}", file=sys.stderr); return 2
+    try:
+        cfg = Config.from_env(argv)
+        notes = check_run(cfg)
+    except (ValueError, OSError) as e: print(f"error: {' '.join(str(e).split())}", file=sys.stderr); return 2
+    for note in notes: print(note, file=sys.stderr)
+    out = train(cfg)
     run = Path(out['run'])
     print(f"run folder: {run}\n  metrics:    {run/'metrics.jsonl'}\n  curves:     {run/'curves.png'}\n  checkpoint: {out['checkpoint']}")
     if cfg.log_images: print(f"  images:     {Path(cfg.log_image_dir)/cfg.experiment_name}\n  rollouts:   {run/'rollouts.jsonl'}")

@@ -306,7 +306,7 @@ from ragen_nb.viz import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
-            'DATA_DIR=/nonexistent', 'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf']
+            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf']   # DATA_DIR: the default, absent here
 
 
 @pytest.fixture(scope='module')
@@ -344,7 +344,8 @@ def test_room_seeds_read_the_curated_files_and_check_their_settings(tok, tmp_pat
     curate(tmp_path, seed=500, train_size=3, test_size=2, settings=EnvSettings(6, 6, 1, 5, 30), tokenizer=tok, progress=False)
     assert room_seeds(Config(data_dir=str(tmp_path))) == {'train': [500, 501, 502], 'test': [503, 504]}
     with pytest.raises(ValueError, match='settings'): room_seeds(Config(data_dir=str(tmp_path), max_steps=7))
-    assert room_seeds(Config(data_dir=str(tmp_path/'none')))['test'] == list(range(20000, 20010))
+    with pytest.raises(FileNotFoundError, match=f"ragen_nb data --output {tmp_path/'none'}"):   # a folder without files
+        room_seeds(Config(data_dir=str(tmp_path/'none')))                   # is an error, not a run on other rooms
 
 
 def test_log_mode_takes_ragens_list_spelling():
@@ -376,6 +377,18 @@ def test_keep_steps_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
     trainer._keep_steps(tmp_path/'absent.jsonl', 2)
     assert not (tmp_path/'absent.jsonl').exists()
 
+
+
+def test_keep_steps_keeps_nothing_without_a_checkpoint_and_refuses_garbage_mid_file(tmp_path):
+    "A run resumed without a checkpoint starts over, step-0 validation included, so even step 0's line goes; a bad line that is not the last one is an error and the file stays as it was."
+    path = tmp_path/'metrics.jsonl'
+    path.write_text(''.join(json.dumps({'step': s}) + '\n' for s in (0, 1)))
+    trainer._keep_steps(path, 0)
+    assert path.read_text() == ''
+    damaged = json.dumps({'step': 1}) + '\nnot json\n' + json.dumps({'step': 2}) + '\n'
+    path.write_text(damaged)
+    with pytest.raises(ValueError, match='line 2, is not a JSON record'): trainer._keep_steps(path, 2)
+    assert path.read_text() == damaged
 
 CRASH = """
 import os, sys
