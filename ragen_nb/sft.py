@@ -24,7 +24,7 @@ from .data import render_prompt, observation_message, prefill, split_seeds, load
 from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, env_reply
 from .masking import Batch, collate, masked_mean
-from .models import EMBEDDED, default_device, load_model, load_tokenizer, quiet_hf_bars
+from .models import EMBEDDED, check_model, default_device, load_model, load_tokenizer, quiet_hf_bars
 from .trainer import Config, _convert, _save_merged, _with_lora
 
 # %% ../nbs/13_sft.ipynb #50bd60e0
@@ -331,6 +331,7 @@ def sft(cfg: SFTConfig, progress: bool = True) -> dict:
     run = Path(cfg.output_dir)/cfg.experiment_name
     if (run/'metrics.jsonl').exists() or any(run.glob('global_step_*')):
         raise FileExistsError(f"{run} already holds a run: pick another EXPERIMENT_NAME (or OUTPUT_DIR)")
+    check_model(cfg.base_model)   # a mistyped name, a damaged folder or no network fails here, before anything loads
     settings, rollout_cfg = cfg.env_settings, cfg.rollout_config()
     tok, skipped = load_tokenizer(cfg.base_model), []
     stream = demonstration_stream(tok, train_seeds(cfg), settings, rollout_cfg, cfg.multi_turn, cfg.seed, skipped)

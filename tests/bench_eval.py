@@ -4,7 +4,8 @@
 
 The embedded SmolLM2-135M on the CPU with HF `generate`, the main job's rooms (SEARCH_DEPTH=4, 2 turns), answers of at
 most 24 tokens. `--chunks 200` with 200 rooms is what `rollout` does alone: every room in one batch. Each chunk size
-runs in a fresh process, so its peak RSS (ru_maxrss) is its own; loading the model is timed apart from playing."""
+runs in a fresh process, so its peak RSS (ru_maxrss) is its own; loading the model is timed apart from playing. On a
+shared machine wall time depends on the other load; CPU seconds (user + system) of the playing process depend less on it."""
 import argparse, json, resource, subprocess, sys, time
 
 
@@ -16,14 +17,14 @@ def measure(rooms: int, chunk: int, temperature: float, samples: int) -> dict:
     from ragen_nb.rollout import HFEngine, RolloutConfig
     from ragen_nb.sokoban import EnvSettings
     tok, model = load_tokenizer(), load_model()
-    loaded = time.perf_counter()
+    loaded, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     cfg = RolloutConfig(max_turns=2, max_response_length=24, temperature=temperature)
     trajs = play(HFEngine(model, tok), tok, heldout_seeds(rooms), EnvSettings(search_depth=4), cfg, samples, chunk,
                  progress=False)
-    played = time.perf_counter()
+    played, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     m = trajectory_metrics(trajs)
     return dict(rooms=rooms, samples=samples, temperature=temperature, chunk_size=chunk, load_s=loaded - start,
-                play_s=played - loaded, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                play_s=played - loaded, play_cpu_s=used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 success_rate=m['success_rate'], valid_action_rate=m['valid_action_rate'],
                 first_actions=[t.actions[0] if t.actions else None for t in trajs])
 
@@ -48,7 +49,7 @@ def main():
         if done.returncode: sys.exit(f'chunk size {chunk} failed (exit {done.returncode}); its error is above')
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"chunk {chunk:4d}: play {r['play_s']:6.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, success {r['success_rate']:.3f}, "
+        print(f"chunk {chunk:4d}: play {r['play_s']:6.1f} s ({r['play_cpu_s']:.0f} CPU s), peak RSS {r['peak_rss_gb']:.2f} GB, success {r['success_rate']:.3f}, "
               f"valid {r['valid_action_rate']:.3f} (model load {r['load_s']:.1f} s)", flush=True)
     same = all(r['first_actions'] == results[0]['first_actions'] for r in results)
     print(f'first actions identical across chunk sizes: {same}')

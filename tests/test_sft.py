@@ -204,7 +204,8 @@ def test_help_lists_every_setting_with_its_doc(capsys):
                                         (['CLIP_RATIO=0.2'], 'unknown setting'), (['LR_SCHEDULER=poly'], 'lr_scheduler'),
                                         (['TOTAL_STEPS=ten'], 'an integer'), (['DIM_X=2'], 'dim'),
                                         (['WARMUP_STEPS_RATIO=1'], 'warmup'), (['MAX_TURNS=0'], 'max_turns'),
-                                        (['THINK=True', 'MAX_RESPONSE_LENGTH=10'], 'MAX_RESPONSE_LENGTH')])
+                                        (['THINK=True', 'MAX_RESPONSE_LENGTH=10'], 'MAX_RESPONSE_LENGTH'),
+                                        (['BASE_MODEL=/nonexistent/model'], '/nonexistent/model')])
 def test_bad_settings_are_one_error_line_before_any_model_loads(tmp_path, monkeypatch, capsys, args, says):
     def no_model(*a, **k): raise AssertionError('a model was loaded')
     monkeypatch.setattr(sft_module, 'load_model', no_model)
