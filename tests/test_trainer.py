@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragen_nb.advantages import gae, whiten
-from ragen_nb.masking import collate, forward_logprobs, masked_mean
+from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.ppo import entropy_from_logits
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
@@ -15,7 +15,7 @@ from ragen_nb.trainer import METRICS, Config, ValueModel, forward_values, make_o
 README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30, micro_batch_size=1,
               train_batch_size=128, ppo_batch_size=64, max_start_length=400, max_response_length=100, max_obs_length=120,
               max_turns=5, num_update_per_roll=1, gcp=True, n_gpus=1, rollout_tp_size=1, gamma=1.0, lam=1.0,
-              actor_lr=1e-6, critic_lr=1e-5, clip_ratio=0.2, value_clip=0.5, entropy_coef=0.001, kl_coef=0.001,
+              actor_lr=1e-6, critic_lr=1e-5, clip_ratio_low=0.2, clip_ratio_high=0.2, value_clip=0.5, entropy_coef=0.001, kl_coef=0.001,
               temperature=1.0)
 
 
@@ -69,7 +69,25 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['NUM_BOXES=0'], 'num_boxes'),                                  # checked by EnvSettings
     (['DIM_X=2'], 'dim_x'),
     (['GAMMA=1.5'], 'gamma'),
-    (['CLIP_RATIO=0'], 'clip_ratio'),
+    (['CLIP_RATIO_LOW=0'], 'clip_ratio_low'),
+    (['CLIP_RATIO_LOW=1'], 'clip_ratio_low'),                         # the ratio's floor would be 0
+    (['CLIP_RATIO_HIGH=-0.1'], 'clip_ratio_high'),
+    (['DUAL_CLIP=1'], 'dual_clip'),                                  # must be > 1 or 0 (off)
+    (['GROUP_SIZE=3'], 'group_size'),                                # 3 does not divide 128
+    (['GROUP_SIZE=0'], 'group_size'),
+    (['ROLLOUT_FILTER_RATIO=0.5'], 'GROUP_SIZE >= 2'),               # no group to rank
+    (['ROLLOUT_FILTER_RATIO=0'], 'rollout_filter_ratio'),
+    (['ROLLOUT_FILTER_RATIO=1.5'], 'rollout_filter_ratio'),
+    (['GROUP_SIZE=16', 'ROLLOUT_FILTER_RATIO=0.1'], 'keeps none'),   # floor(0.1 x 8 rooms) = 0
+    (['GROUP_SIZE=16', 'ROLLOUT_FILTER_RATIO=0.25'], 'PPO_BATCH_SIZE=32'),   # 32 kept, minibatches of 64: names the fix
+    (['ADV_ESTIMATOR=ppo'], 'adv_estimator'),
+    (['ADV_ESTIMATOR=grpo'], 'GROUP_SIZE >= 2'),                     # GRPO compares rollouts of one room
+    (['ADV_ESTIMATOR=brpo', 'PER_TURN_REWARDS=True'], 'PER_TURN_REWARDS=False'),
+    (['ADV_ESTIMATOR=arpo', 'GROUP_SIZE=2'], 'KL_LOSS_COEF'),             # k1 penalties would rank tied groups by KL noise
+    (['KL_LOSS_COEF=0.01'], 'KL_COEF=0'),                            # KL in the reward and in the loss at once
+    (['KL_COEF=0', 'KL_LOSS_TYPE=mse'], 'kl_loss_type'),
+    (['HIGH_LEVEL_GAMMA=2'], 'high_level_gamma'),
+    (['VAL_ROOMS=-1'], 'val_rooms'),
     (['LOG_MODE=tensorboard'], 'log_mode'),
 ])
 def test_bad_settings_name_the_setting(args, name):
@@ -175,7 +193,7 @@ def test_positive_advantage_tokens_become_more_likely(tok):
     good = b.loss_mask.bool() & (b.token_rewards.sum(-1, keepdim=True) > 0)
     bad = b.loss_mask.bool() & (b.token_rewards.sum(-1, keepdim=True) < 0)
     assert (after - before)[good].mean() > 0 > (after - before)[bad].mean()
-    assert list(metrics) == list(METRICS)
+    assert list(metrics) == [k for k in METRICS if k not in ('actor/dual_clipfrac', 'actor/kl_loss')]   # both are off
     assert metrics['score/mean'] == 0 and metrics['actor/approx_kl'] > 0 and metrics['response/llm_tokens'] == 14
     assert not actor.training and not critic.training
 
@@ -214,6 +232,108 @@ def test_kl_coef_needs_a_reference(tok):
         ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
     metrics = ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id, ref=tiny_model(tok))
     assert metrics['actor/kl_ref'] == pytest.approx(0, abs=1e-6)      # the reference is the starting actor
+
+
+# --- estimators, clipping, the KL loss -------------------------------------------------------------------------------
+import numpy as np
+
+import ragen_nb.trainer as trainer
+
+
+def two_rooms(tok):
+    "Two rooms x two rollouts, in groups: room 0 scores 1 and -1, room 1 scores 2 and 2; every turn carries a reward."
+    out = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 0), episode(tok, 'Left', 2., 1), episode(tok, 'Right', 2., 1)]
+    for t in out: t.rewards = [0.5, t.rewards[1] - 0.5]                   # the same totals, split over both turns
+    return out
+
+
+def spy(monkeypatch, name):
+    "Record the arguments of every call of trainer.`name`, which still runs."
+    calls, real = [], getattr(trainer, name)
+    def wrapper(*args, **kwargs): calls.append(args + tuple(kwargs.values())); return real(*args, **kwargs)
+    monkeypatch.setattr(trainer, name, wrapper)
+    return calls
+
+
+def step_with(tok, trajs, ref=None, **kw):
+    "One ppo_step on a fresh tiny actor (and critic, unless the estimator needs none), one minibatch; metrics and actor."
+    cfg = cfg_for(len(trajs), **kw)
+    actor = tiny_model(tok); critic = None if cfg.critic_free else ValueModel.from_causal_lm(actor)
+    return ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id, ref=ref), actor
+
+
+def test_clip_ratios_and_dual_clip_reach_the_policy_loss(tok, monkeypatch):
+    calls = spy(monkeypatch, 'policy_loss')
+    metrics, _ = step_with(tok, two_rooms(tok), CLIP_RATIO_LOW=0.1, CLIP_RATIO_HIGH=0.28, DUAL_CLIP=3)
+    assert {c[4:] for c in calls} == {(0.1, 0.28, 3.0)} and 'actor/dual_clipfrac' in metrics
+    calls.clear(); metrics, _ = step_with(tok, two_rooms(tok))
+    assert {c[4:] for c in calls} == {(0.2, 0.2, None)} and 'actor/dual_clipfrac' not in metrics   # DUAL_CLIP=0: off
+
+
+def test_several_minibatches_and_epochs_exercise_the_clipping(tok):
+    "One minibatch, one epoch: the ratio is 1 and nothing clips. Two minibatches and 4 epochs: every diagnostic moves."
+    lr = dict(ACTOR_LR=1e-2, CRITIC_LR=1e-2)
+    once, _ = step_with(tok, two_rooms(tok), **lr)
+    assert (once['actor/approx_kl'], once['actor/clipfrac'], once['critic/vf_clipfrac']) == (0, 0, 0)
+    many = dict(PPO_BATCH_SIZE=2, MICRO_BATCH_SIZE=1, NUM_UPDATE_PER_ROLL=4, **lr)
+    ppo, low = step_with(tok, two_rooms(tok), **many)
+    assert ppo['actor/approx_kl'] > 0 and ppo['actor/clipfrac'] > 0 and ppo['critic/vf_clipfrac'] > 0
+    _, high = step_with(tok, two_rooms(tok), CLIP_RATIO_HIGH=0.28, **many)     # clip-higher: a different update
+    vec = torch.nn.utils.parameters_to_vector
+    assert (vec(low.parameters()) - vec(high.parameters())).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize('kind', ['k1', 'k2', 'k3'])
+def test_kl_loss_is_the_chosen_estimate_against_the_reference_and_moves_the_update(tok, kind):
+    trajs, ref = two_rooms(tok), tiny_model(tok, seed=1)                    # a reference unlike the actor
+    b = collate(trajs, tok.pad_token_id)
+    with torch.no_grad(): lp, ref_lp = forward_logprobs(tiny_model(tok), b), forward_logprobs(ref, b)
+    log_ratio = ref_lp - lp
+    by_hand = {'k1': -log_ratio, 'k2': 0.5 * log_ratio ** 2, 'k3': log_ratio.exp() - log_ratio - 1}[kind]   # r = pi_ref / pi
+    with_kl, a = step_with(tok, trajs, ref=ref, KL_LOSS_COEF=0.5, KL_LOSS_TYPE=kind, ACTOR_LR=1e-2)
+    assert with_kl['actor/kl_loss'] == pytest.approx(masked_mean(by_hand, b.loss_mask).item(), rel=1e-4)   # one minibatch: the start
+    without, b_ = step_with(tok, trajs, ref=ref, ACTOR_LR=1e-2)
+    assert 'actor/kl_loss' not in without
+    vec = torch.nn.utils.parameters_to_vector
+    assert (vec(a.parameters()) - vec(b_.parameters())).abs().max() > 1e-6
+    with pytest.raises(ValueError, match='reference'): step_with(tok, trajs, KL_LOSS_COEF=0.5)
+
+
+@pytest.mark.parametrize('norm', ['grpo', 'brpo', 'arpo'])
+def test_critic_free_estimators_score_room_groups_and_feed_the_policy_loss(tok, monkeypatch, norm):
+    calls, used = spy(monkeypatch, 'outcome_advantages'), spy(monkeypatch, 'policy_loss')
+    metrics, _ = step_with(tok, two_rooms(tok), ADV_ESTIMATOR=norm, GROUP_SIZE=2)
+    scores, groups, mask, how = calls[0]
+    assert how == norm and groups.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(scores, torch.tensor([1., -1., 2., 2.]))
+    s = torch.tensor([1., -1., 2., 2.])
+    expected = {'grpo': [2 ** -0.5, -2 ** -0.5, 0., 0.], 'brpo': ((s - s.mean()) / s.std()).tolist(), 'arpo': s.tolist()}[norm]
+    adv, m = used[0][2], used[0][3].bool()
+    for row, want in enumerate(expected):                                  # not whitened again: the estimator's own numbers
+        torch.testing.assert_close(adv[row][m[row]], torch.full((int(m[row].sum()),), want), atol=1e-5, rtol=1e-5)
+    assert not any(k.startswith('critic/') for k in metrics)
+    cfg = cfg_for(4, ADV_ESTIMATOR=norm, GROUP_SIZE=2)
+    actor = tiny_model(tok)
+    with pytest.raises(ValueError, match='critic=None'):                   # a critic passed to a critic-free step
+        ppo_step(two_rooms(tok), actor, ValueModel.from_causal_lm(actor), *make_optimizers(actor, None, cfg), cfg, 2)
+
+
+def test_bilevel_gae_discounts_turns_by_high_level_gamma(tok, monkeypatch):
+    token, turn = spy(monkeypatch, 'gae'), spy(monkeypatch, 'turn_level_gae')
+    step_with(tok, two_rooms(tok), ADV_ESTIMATOR='bilevel_gae', HIGH_LEVEL_GAMMA=0.5, GAMMA=0.9)
+    assert len(turn) == 1 and turn[0][4:] == (0.9, 1.0, 0.5, 1.0)           # gamma, lam inside a turn; 0.5, lam across
+    turn.clear(); token.clear()
+    step_with(tok, two_rooms(tok))
+    assert not turn and len(token) == 1
+
+
+def test_per_turn_rewards_put_each_turn_reward_on_its_turn(tok, monkeypatch):
+    calls = spy(monkeypatch, 'gae')
+    step_with(tok, two_rooms(tok), PER_TURN_REWARDS=True)
+    rewards, mask = calls[0][0], calls[0][2]
+    assert (rewards != 0).sum(-1).tolist() == [2, 2, 2, 2] and ((rewards != 0) <= mask.bool()).all()
+    calls.clear(); step_with(tok, two_rooms(tok))
+    assert (calls[0][0] != 0).sum(-1).tolist() == [1, 1, 1, 1]
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
@@ -306,7 +426,10 @@ from ragen_nb.viz import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
-            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf']   # DATA_DIR: the default, absent here
+            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'VAL_ROOMS=8']   # DATA_DIR: the default, absent here
+# keys a step line holds only with some settings: the dual clip, the KL loss, sampled validation, room groups
+OPTIONAL = ({'actor/dual_clipfrac', 'actor/kl_loss', 'val/mi', 'val/mi_null', 'val/mi_null_std'}   # VAL_SAMPLES > 1 only
+            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/'))})
 
 
 @pytest.fixture(scope='module')
@@ -412,7 +535,7 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     whole = read_metrics(tmp_path/'whole')
-    assert [r['step'] for r in whole] == [0, 1, 2, 3] and set(whole[2]) == set(TRAIN_METRICS)   # 0: validation only
+    assert [r['step'] for r in whole] == [0, 1, 2, 3] and set(whole[2]) == set(TRAIN_METRICS) - OPTIONAL   # 0: validation only
     assert latest_checkpoint(tmp_path/'whole').name == 'global_step_3'
     # the same run, killed hard in step 2: the line of step 2 is written, its checkpoint is not
     crashed = subprocess.run([sys.executable, '-c', CRASH, *run_args(tiny_dir, tmp_path, 'crash', *steps)], env=env,
@@ -481,15 +604,30 @@ def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
     from ragen_nb.trainer import policy_and_values
     actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
     b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
-    logits, values = policy_and_values(actor, critic, b, temperature=2.0)
+    logprobs, entropies, values = policy_and_values(actor, critic, b, temperature=2.0)
     hidden = actor.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).last_hidden_state
     by_hand = hidden @ critic.head.weight[0] + critic.head.bias[0]             # value of token t read at t - 1
     torch.testing.assert_close(values[:, 1:], by_hand[:, :-1] * b.attention_mask[:, 1:])
     assert (values[:, 0] == 0).all()
-    torch.testing.assert_close(logits, actor(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                             position_ids=b.position_ids).logits / 2.0)
+    full = actor(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits / 2.0
+    torch.testing.assert_close(logprobs, token_logprobs(full, b.input_ids) * b.loss_mask)   # the head ran on LLM positions only
+    torch.testing.assert_close(entropies, entropy_from_logits(full) * b.loss_mask)
     assert [p for p in critic.parameters()] == [critic.head.weight, critic.head.bias]   # the critic's optimizer: the head only
     with pytest.raises(TypeError, match='policy_and_values'): critic(b.input_ids)
+
+
+def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_softmax(tok):
+    from ragen_nb.trainer import llm_forward, token_stats
+    b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Down now please, quickly', -1., 1)], tok.pad_token_id)
+    actor, seen = tiny_model(tok), []
+    actor.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    lp, h, _ = llm_forward(actor, b, temperature=0.7, entropy=True)
+    assert seen == [int(b.loss_mask.bool().any(0).sum())] and seen[0] < b.input_ids.shape[1]   # not the whole sequence
+    with torch.no_grad(): full = actor(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits / 0.7
+    torch.testing.assert_close(lp, token_logprobs(full, b.input_ids) * b.loss_mask)
+    torch.testing.assert_close(h, entropy_from_logits(full) * b.loss_mask)
+    z, y = torch.randn(2, 10, 7), torch.randint(0, 7, (2, 10))                      # chunks change nothing
+    for a, c in zip(token_stats(z, y, chunk=3), token_stats(z, y, chunk=64)): torch.testing.assert_close(a, c)
 
 
 def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
@@ -499,7 +637,7 @@ def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
     for kind in ('shared', 'separate'):
         actor = tiny_model(tok)
         critic = ValueModel.on_actor(actor) if kind == 'shared' else ValueModel.from_causal_lm(actor)
-        _, values = policy_and_values(actor, critic, b)
+        _, _, values = policy_and_values(actor, critic, b)
         values.sum().backward()
         grads[kind] = (actor.model.layers[0].mlp.up_proj.weight.grad, bool(critic.head.weight.grad.abs().sum() > 0))
     assert grads == {'shared': (None, True), 'separate': (None, True)}       # the value loss trains the critic alone
@@ -553,14 +691,86 @@ def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp
     torch.testing.assert_close(vec(resumed['actor'].parameters()), vec(whole['actor'].parameters()), rtol=0, atol=1e-6)
 
 
+# --- room groups, the variance filter, runs without a critic ----------------------------------------------------------
+
+def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_path, monkeypatch):
+    rolled, updated = [], []
+    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # group of room s scores 0 and s % 7: std (s % 7) / sqrt 2
+        rolled.append(list(seeds))
+        return [episode(tok, 'Up', float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
+    real_step = trainer.ppo_step
+    def spy_step(trajs, *args, **kwargs): updated.append([t.seed for t in trajs]); return real_step(trajs, *args, **kwargs)
+    monkeypatch.setattr(trainer, 'rollout', fake_rollout); monkeypatch.setattr(trainer, 'ppo_step', spy_step)
+    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'filter', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.5',
+                                    'PPO_BATCH_SIZE=2', 'TOTAL_STEPS=2', 'TEST_FREQ=0', 'SAVE_FREQ=0'))
+    train(cfg, progress=False)
+    records = read_metrics(tmp_path/'filter')
+    for step, (seeds, seen, r) in enumerate(zip(rolled, updated, records), start=1):
+        rooms = seeds[::2]
+        assert seeds == batch_seeds(room_seeds(cfg)['train'], step, 8, 0, 2) and seeds[1::2] == rooms   # 4 rooms, each twice in a row
+        top = sorted(rooms, key=lambda s: -(s % 7))[:2]                      # stable: a tie keeps the earlier room
+        assert seen == [s for s in rooms if s in top for _ in range(2)]      # exactly those groups, in batch order
+        assert r['filter/kept_ratio'] == 0.5
+        assert r['filter/all_reward_std'] == pytest.approx(np.mean([s % 7 for s in rooms]) / 2 ** 0.5)
+        assert r['filter/kept_reward_std'] == pytest.approx(np.mean([s % 7 for s in top]) / 2 ** 0.5)
+
+
+def test_a_critic_free_run_builds_saves_and_resumes_without_a_critic(tiny_dir, tmp_path, monkeypatch, capsys):
+    from ragen_nb.trainer import _load_models
+    steps = ['ADV_ESTIMATOR=grpo', 'GROUP_SIZE=2', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=2', 'KL_COEF=0', 'TOTAL_STEPS=2',
+             'SAVE_FREQ=1', 'TEST_FREQ=2', 'VAL_ROOMS=3']
+    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps))
+    _, _, critic, ref = _load_models(cfg, None)
+    assert critic is None and ref is None
+    calls, val_calls = spy(monkeypatch, 'rollout'), spy(monkeypatch, 'play')   # training rollouts; validation plays (11)
+    whole = train(cfg, progress=False)
+    assert 'rollout engine: hf' in capsys.readouterr().out
+    assert sorted(p.name for p in Path(whole['checkpoint']).iterdir()) == ['actor', 'state.pt']   # no critic/ folder
+    lines = read_metrics(tmp_path/'whole')
+    assert not any(k.startswith('critic/') for r in lines for k in r) and all(r['rollout/engine'] == 'hf' for r in lines)
+    assert {(len(c[2]), c[4].temperature) for c in val_calls} == {(3, 0)}    # VAL_ROOMS test rooms, greedy
+    seeds = calls[0][2]                                                       # two rooms, each twice in a row
+    assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2]
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps[:-4], 'TOTAL_STEPS=1', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'VAL_ROOMS=3')),
+          progress=False)
+    resumed = train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps, 'RESUME=True')), progress=False)
+    assert [untimed(r) for r in read_metrics(tmp_path/'cut')] == [untimed(r) for r in lines]
+    vec = torch.nn.utils.parameters_to_vector
+    torch.testing.assert_close(vec(resumed['actor'].parameters()), vec(whole['actor'].parameters()), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match='ADV_ESTIMATOR'):                  # the checkpoint holds no critic for gae
+        train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', 'GROUP_SIZE=2', 'TOTAL_STEPS=3', 'RESUME=True')), progress=False)
+
+
+def test_rollouts_of_one_room_are_sampled_independently(tok):
+    from ragen_nb.rollout import HFEngine, rollout
+    cfg = Config.from_args(['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=4', 'MAX_TURNS=1', 'MAX_RESPONSE_LENGTH=6'])
+    trajs = rollout(HFEngine(tiny_model(tok), tok), tok, batch_seeds(list(range(50)), 1, 4, 0, 4), cfg.env_settings,
+                    cfg.rollout_config(), seed=0)
+    assert len({t.seed for t in trajs}) == 1 and len({tuple(t.ids) for t in trajs}) == 4
+
+
+def test_validation_needs_val_rooms_test_rooms_before_anything_loads(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match='VAL_ROOMS=512'): train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=600')))
+    assert not (tmp_path/'v').exists()
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=600', 'TEST_FREQ=0', 'TOTAL_STEPS=1', 'SAVE_FREQ=0')),
+          progress=False)                                                    # no validation: no test rooms needed
+
+
+def test_the_engine_line_says_why_auto_did_not_pick_vllm():
+    from ragen_nb.trainer import _engine_line
+    assert _engine_line(Config(rollout_engine='hf'), False, 1) == 'rollout engine: hf'
+    assert _engine_line(Config(rollout_engine='auto'), True, 1) == 'rollout engine: vllm (ROLLOUT_ENGINE=auto: vLLM is installed)'
+    assert _engine_line(Config(rollout_engine='auto'), False, 2) == 'rollout engine: hf (ROLLOUT_ENGINE=auto: 2 processes)'
+
+
 # --- several processes ------------------------------------------------------------------------------------------------
 import hashlib
 from transformers import AutoModelForCausalLM
 
 
 def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_path):
-    args = run_args(tiny_dir, tmp_path, 'ddp', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4', 'TOTAL_STEPS=1', 'TEST_FREQ=1',
-                    'SAVE_FREQ=1', 'GCP=False')
+    args = run_args(tiny_dir, tmp_path, 'ddp', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.5', 'PPO_BATCH_SIZE=4',
+                    'TOTAL_STEPS=1', 'TEST_FREQ=1', 'SAVE_FREQ=1', 'GCP=False')
     env = {k: v for k, v in os.environ.items() if k not in trainer.RAGEN_ENV_VARS}
     done = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                            '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
@@ -574,7 +784,41 @@ def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_
     assert ranks[0]['sha'] != hashlib.sha256(start.numpy().tobytes()).hexdigest()   # and the step moved the weights
     metrics = read_metrics(tmp_path/'ddp')                                    # one line, from the main process
     assert [m['step'] for m in metrics] == [0, 1] and metrics[1]['val/success_rate'] is not None
+    # each process played whole room groups (2 rooms x 2 rollouts), the two halves of the step's rooms in order
+    (mine,), (theirs,) = ranks[0]['played'], ranks[1]['played']
+    assert mine + theirs == batch_seeds(room_seeds(Config.from_args(args))['train'], 1, 8, 0, 2)
+    assert mine[0] == mine[1] != mine[2] == mine[3] and theirs[0] == theirs[1] != theirs[2] == theirs[3]
+    assert metrics[1]['filter/kept_ratio'] == 0.5                            # each kept 1 of its 2 groups; gathered over both
     assert latest_checkpoint(tmp_path/'ddp').name == 'global_step_1'
+
+
+def uneven_batch(tok):
+    "Eight trajectories of four rooms (two each), with very different numbers of LLM tokens and rewards."
+    words = ['Up', 'Down now please, quickly and carefully', 'Left', 'Right', 'Up Up', 'Down', 'Left, I think, or maybe not', 'Right']
+    return [episode(tok, w, r, i // 2) for i, (w, r) in enumerate(zip(words, [1., -1., 0.5, 2., -2., 0., 3., -0.5]))]
+
+
+@pytest.mark.parametrize('estimator', ['gae', 'brpo'])
+def test_two_processes_make_the_update_of_one(tok, tmp_path, estimator):
+    "Token weights and whitening (GAE) or batch normalisation (BRPO) span both processes: the same update as one process."
+    args = ['TRAIN_BATCH_SIZE=8', 'PPO_BATCH_SIZE=8', 'MICRO_BATCH_SIZE=1', 'KL_COEF=0', 'GRAD_CLIP=1e9', 'GCP=False',
+            f'ADV_ESTIMATOR={estimator}', 'GROUP_SIZE=2']
+    env = {k: v for k, v in os.environ.items() if k not in trainer.RAGEN_ENV_VARS}
+    done = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+                           '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
+                           str(ROOT/'tests'/'ddp_update.py'), str(tmp_path/'two.pt'), *args],
+                          env={**env, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(ROOT/'tests')}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = Config.from_args(args)
+    actor = tiny_model(tok); critic = None if cfg.critic_free else ValueModel.from_causal_lm(actor)
+    opts = [torch.optim.SGD(m.parameters(), lr=1.) for m in (actor, critic) if m is not None]
+    start = torch.nn.utils.parameters_to_vector(actor.parameters()).detach().clone()
+    ppo_step(uneven_batch(tok), actor, critic, opts[0], opts[1] if critic is not None else None, cfg, tok.pad_token_id)
+    two = torch.load(tmp_path/'two.pt')
+    for model, state in zip((actor, critic), two):
+        for k, v in model.state_dict().items(): torch.testing.assert_close(state[k], v, atol=1e-6, rtol=1e-4)
+    assert (torch.nn.utils.parameters_to_vector(actor.parameters()) - start).abs().max() > 1e-4   # and the step did move them
 
 
 # --- trajectory images and curves ---------------------------------------------------------------------------------------
