@@ -187,9 +187,10 @@ def baselines(settings: EnvSettings, max_turns: int = 5, n: int = 200, train_roo
 
 # %% ../nbs/11_evaluate.ipynb #6c131bac
 def _cell(row: dict, key: str) -> str:
-    "One table cell of `row` (- for a missing or nan value)."
-    value = row.get(key, math.nan)
-    if key == 'interval': return '-' if math.isnan(row.get('success_low', math.nan)) else f"{row['success_low']:.3f}-{row['success_high']:.3f}"
+    "One table cell of `row` (- for a missing or nan value, or a None: how JSON keeps a nan)."
+    def get(k): return math.nan if row.get(k) is None else row[k]
+    value = get(key)
+    if key == 'interval': return '-' if math.isnan(get('success_low')) else f"{row['success_low']:.3f}-{row['success_high']:.3f}"
     if key == 'mi_null': return '-' if math.isnan(value) else f"{value:.3f}±{row['mi_null_std']:.3f}"
     if isinstance(value, float): return '-' if math.isnan(value) else f'{value:.3f}' if key != 'mean_turns' else f'{value:.2f}'
     return str(value)

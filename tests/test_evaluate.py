@@ -1,5 +1,5 @@
 """Tests of ragen_nb.evaluate: Wilson intervals, the room/action MI and its null, the baselines and the metrics."""
-import math
+import json, math
 
 import numpy as np
 import pytest
@@ -178,6 +178,14 @@ def test_format_table_shows_every_row_with_dashes_for_missing_values():
     lines = text.splitlines()
     assert len(lines) == 5 and lines[0].startswith('policy') and set(lines[1]) <= {'-', ' '}
     assert lines[2].split()[10:14] == ['-', '-', 'exact:', 'all']   # 'uniform random': MI and MI null do not apply
+
+
+def test_format_table_reads_a_table_back_from_json_unchanged(tmp_path):
+    from ragen_nb.cli import write_json
+    rows = baseline_rows([A, B], [A], 2) + [dict(policy='model greedy', rooms=2, episodes=2, success_rate=0.5, success_low=0.1,
+                                                 success_high=0.9, mi=math.nan, mi_null=math.nan, mi_null_std=math.nan)]
+    kept = json.loads(write_json(tmp_path/'t.json', rows).read_text())['rows']    # nan is kept as null
+    assert kept[-1]['mi'] is None and format_table(kept) == format_table(rows)
 
 
 # --- model evaluation -----------------------------------------------------------------------------------------------
