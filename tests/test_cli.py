@@ -1,5 +1,6 @@
 "The `ragen_nb` command: help that helps, and `eval` end to end on a small saved model."
 import json, subprocess, sys
+from pathlib import Path
 import pytest
 from ragen_nb.cli import parser
 from ragen_nb.models import load_tokenizer, tiny_model
@@ -88,10 +89,14 @@ def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
 def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypatch):
     import ragen_nb.cli as cli
     import ragen_nb.trainer as trainer
-    seen = []
-    monkeypatch.setattr(trainer, 'train_main', lambda argv: seen.append(argv) or 0)
+    seen, judged, exit_code = [], [], 0
+    monkeypatch.setattr(trainer, 'train_main', lambda argv: seen.append(argv) or exit_code)
+    monkeypatch.setattr(cli, 'main_job_eval', lambda argv: judged.append(argv) or 0)
     assert cli.main(['train-cpu', 'TOTAL_STEPS=3']) == 0 and cli.main(['train', 'TOTAL_STEPS=3']) == 0
     assert seen == [cli.MAIN_JOB + ['TOTAL_STEPS=3'], ['TOTAL_STEPS=3']]
+    assert judged == [cli.MAIN_JOB + ['TOTAL_STEPS=3']]                      # train-cpu ends with the eval table; train does not
+    exit_code = 1                                                            # a run stopped on a non-finite step: no eval
+    assert cli.main(['train-cpu']) == 1 and len(judged) == 1
     cfg = trainer.Config.from_args(seen[0])                                  # valid, and the user's setting wins
     assert cfg.total_steps == 3 and cfg.lora_rank > 0 and cfg.critic == 'shared'
 
@@ -99,3 +104,22 @@ def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypat
 def test_train_cpu_help_shows_its_settings_and_every_key():
     r = run('train-cpu', '--help')
     assert r.returncode == 0 and 'LORA_RANK=16' in r.stdout and 'TRAIN_BATCH_SIZE=128' in r.stdout
+
+
+def test_main_job_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, capsys):
+    import ragen_nb.cli as cli
+    from ragen_nb.evaluate import heldout_seeds
+    from ragen_nb.models import load_tokenizer, tiny_model
+    from ragen_nb.trainer import Config, train
+    tok = load_tokenizer(); tiny_model(tok).save_pretrained(tmp_path/'tiny'); tok.save_pretrained(tmp_path/'tiny')
+    argv = cli.MAIN_JOB + [f'BASE_MODEL={tmp_path/"tiny"}', f'OUTPUT_DIR={tmp_path}', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4',
+                           'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False']
+    assert cli.main_job_eval(argv, n=3) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
+    train(Config.from_args(argv), progress=False)
+    assert cli.main_job_eval(argv, n=3) == 0
+    out = capsys.readouterr().out
+    table = json.loads((tmp_path/'cpu-smollm2-135m'/'eval.json').read_text())
+    assert Path(table['model']).name == 'global_step_2'                      # the last checkpoint
+    assert table['seeds'] == heldout_seeds(3, None, Config.from_args(argv).env_settings) and table['turn_budget'] == 2
+    assert [r['policy'] for r in table['rows']] == ['model greedy', 'uniform random', 'best fixed sequence', 'BFS optimum']
+    assert all(r['rooms'] == 3 for r in table['rows']) and 'BFS optimum' in out
