@@ -627,13 +627,17 @@ TRAIN_METRICS = {
 DEFAULT_SPLITS = dict(seed=10000, train_size=10000, test_size=512)   # `ragen_nb data`'s train range, then 512 test rooms (RAGEN-2 validates 512)
 
 def room_seeds(cfg: Config) -> dict[str, list[int]]:
-    "Train and test room seeds from `data_dir`'s parquet files, checked against the settings; only the default `data_dir` may hold neither file, and then gives the default ranges (`train_main` says so)."
+    "Train and test room seeds from `data_dir`'s parquet files, checked against the settings; only the default `data_dir` may hold neither file, and then gives the default ranges (`train_main` says so). With validation on, the test split must hold `val_rooms` rooms."
     paths = {split: Path(cfg.data_dir)/f'{split}.parquet' for split in SPLITS}
     if cfg.data_dir == Config.data_dir and not any(p.exists() for p in paths.values()):
-        return {split: list(seeds) for split, seeds in split_seeds(**DEFAULT_SPLITS).items()}
-    out = {split: [r['seed'] for r in load_split(path, cfg.env_settings)] for split, path in paths.items()}
-    for split, path in paths.items():
-        if not out[split]: raise ValueError(f"{path} holds no rooms: curate it again with `ragen_nb data --output {cfg.data_dir}`")
+        out = {split: list(seeds) for split, seeds in split_seeds(**DEFAULT_SPLITS).items()}
+    else:
+        out = {split: [r['seed'] for r in load_split(path, cfg.env_settings)] for split, path in paths.items()}
+        for split, path in paths.items():
+            if not out[split]: raise ValueError(f"{path} holds no rooms: curate it again with `ragen_nb data --output {cfg.data_dir}`")
+    if cfg.test_freq and len(out['test']) < cfg.val_rooms:
+        raise ValueError(f"val_rooms={cfg.val_rooms} but the test split holds {len(out['test'])} rooms: set VAL_ROOMS={len(out['test'])} "
+                         f"(or 0: all of them), or curate more with `ragen_nb data --output {cfg.data_dir} --test_size {cfg.val_rooms}`")
     return out
 
 def batch_seeds(seeds: list[int], step: int, batch_size: int, seed: int = 0, group_size: int = 1) -> list[int]:
@@ -779,10 +783,7 @@ def train(cfg: Config, progress: bool = True) -> dict:
     acc = Accelerator(cpu=not torch.cuda.is_available())
     local, main = _split(cfg, acc.num_processes), acc.is_main_process
     seeds, settings = room_seeds(cfg), cfg.env_settings
-    val_seeds = seeds['test'][:cfg.val_rooms or None]
-    if cfg.test_freq and len(val_seeds) < cfg.val_rooms:
-        raise ValueError(f"val_rooms={cfg.val_rooms} but the test split holds {len(val_seeds)} rooms: set VAL_ROOMS={len(val_seeds)} "
-                         f"(or 0: all of them), or curate more with `ragen_nb data --output {cfg.data_dir} --test_size {cfg.val_rooms}`")
+    val_seeds = seeds['test'][:cfg.val_rooms or None]   # room_seeds checked that there are enough
     run = Path(cfg.output_dir)/cfg.experiment_name
     checkpoint = latest_checkpoint(run)
     if not cfg.resume and (checkpoint is not None or (run/'metrics.jsonl').exists()):

@@ -18,7 +18,7 @@ from ragen_nb.trainer import RAGEN_ENV_VARS, latest_checkpoint, train_main
 
 # the tiny run of test_trainer.py's kill-and-resume test, on a small curated dataset, drawing a rollout every step
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
-            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'TOTAL_STEPS=4', 'SAVE_FREQ=1', 'TEST_FREQ=2',
+            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'TOTAL_STEPS=4', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'VAL_ROOMS=2',
             'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=1', 'LOG_N_IMAGE_PER_BATCH=1']
 NO_HUB = 'ragen-nb-tests/no-such-model'   # a valid hub id that no cache holds
 
@@ -327,6 +327,14 @@ def test_a_dataset_that_cannot_be_read_is_one_error_line(cmd, mistake, tiny, bro
     data = str(broken_data[mistake] if mistake != 'typo' else tmp_path/'rooms-with-a-typo')
     assert main(command(cmd, str(tiny/'model'), data, tmp_path)) == 2
     one_error_line(capsys.readouterr().err, DATA_MISTAKES[mistake], f'ragen_nb data --output {data}')
+
+
+def test_too_few_test_rooms_for_val_rooms_is_one_error_line(tiny, tmp_path, capsys, no_model_loads):
+    data = str(tiny/'rooms')                                           # 2 test rooms; validation asks for 64 by default
+    assert main(command('train', str(tiny/'model'), data, tmp_path)) == 2
+    one_error_line(capsys.readouterr().err, 'VAL_ROOMS=2', f'ragen_nb data --output {data} --test_size 64')
+    from ragen_nb.trainer import Config, check_run
+    check_run(Config.from_args(run_args(tiny, tmp_path, 'no-val', 'VAL_ROOMS=64', 'TEST_FREQ=0')))   # no validation: no test rooms needed
 
 
 def test_data_into_a_file_is_one_error_line(tiny, tmp_path, capsys):

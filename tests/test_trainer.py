@@ -465,7 +465,9 @@ def test_room_seeds_read_the_curated_files_and_check_their_settings(tok, tmp_pat
     from ragen_nb.data import curate
     from ragen_nb.sokoban import EnvSettings
     curate(tmp_path, seed=500, train_size=3, test_size=2, settings=EnvSettings(6, 6, 1, 5, 30), tokenizer=tok, progress=False)
-    assert room_seeds(Config(data_dir=str(tmp_path))) == {'train': [500, 501, 502], 'test': [503, 504]}
+    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=2)) == {'train': [500, 501, 502], 'test': [503, 504]}
+    with pytest.raises(ValueError, match='VAL_ROOMS=2'): room_seeds(Config(data_dir=str(tmp_path), val_rooms=3))
+    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=3, test_freq=0))['test'] == [503, 504]   # no validation
     with pytest.raises(ValueError, match='settings'): room_seeds(Config(data_dir=str(tmp_path), max_steps=7))
     with pytest.raises(FileNotFoundError, match=f"ragen_nb data --output {tmp_path/'none'}"):   # a folder without files
         room_seeds(Config(data_dir=str(tmp_path/'none')))                   # is an error, not a run on other rooms
