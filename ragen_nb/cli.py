@@ -182,8 +182,13 @@ def main_job_eval(argv: list[str], n: int = 200) -> int:
     print(f"evaluating {checkpoint} on {n} held-out rooms, greedy, beside the baselines (11)", flush=True)
     start, settings = time.perf_counter(), cfg.env_settings
     data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
-    rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think,
-                    temperatures=(0.0,))
+    try:
+        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think,
+                        temperatures=(0.0,))
+    except (ValueError, OSError) as e:   # e.g. a curated test split of fewer than n rooms: the run itself is saved
+        print(f"error: {checkpoint} is saved, but judging it failed: {' '.join(str(e).split())}; judge it with "
+              f"`ragen_nb eval --model {checkpoint}` and the fix above", file=sys.stderr)
+        return 2
     print(format_table(rows)); print(f'{n} held-out rooms, {time.perf_counter() - start:.0f} s; table also in {run/"eval.json"}')
     write_json(run/'eval.json', rows, model=str(checkpoint), settings=dataclasses.asdict(settings), max_turns=cfg.max_turns,
                turn_budget=turn_budget(settings, cfg.max_turns), data=data, seeds=heldout_seeds(n, data, settings))

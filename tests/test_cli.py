@@ -123,3 +123,9 @@ def test_main_job_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path,
     assert table['seeds'] == heldout_seeds(3, None, Config.from_args(argv).env_settings) and table['turn_budget'] == 2
     assert [r['policy'] for r in table['rows']] == ['model greedy', 'uniform random', 'best fixed sequence', 'BFS optimum']
     assert all(r['rooms'] == 3 for r in table['rows']) and 'BFS optimum' in out
+    from ragen_nb.cli import main
+    main(['data', '--output', str(tmp_path/'rooms'), '--train_size', '3', '--test_size', '2'])   # 2 test rooms, 3 asked
+    capsys.readouterr()
+    assert cli.main_job_eval(argv + [f'DATA_DIR={tmp_path/"rooms"}', 'SEARCH_DEPTH=30'], n=3) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('error:') and 'global_step_2 is saved' in err[0] and '--test_size 3' in err[0]
