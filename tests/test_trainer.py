@@ -717,6 +717,32 @@ def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_
         assert r['filter/kept_reward_std'] == pytest.approx(np.mean([s % 7 for s in top]) / 2 ** 0.5)
 
 
+
+def test_a_top_p_step_whose_groups_all_tie_updates_nothing_and_is_logged(tiny_dir, tmp_path, monkeypatch):
+    rolled = []
+    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # step 1: every group ties; step 2: room s scores 0 and s % 7
+        rolled.append(seeds)
+        return [episode(tok, 'Up', 1. if len(rolled) == 1 else float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
+    updated = spy(monkeypatch, 'ppo_step')
+    monkeypatch.setattr(trainer, 'rollout', fake_rollout)
+    out = train(Config.from_args(run_args(tiny_dir, tmp_path, 'p', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.9',
+                                          'ROLLOUT_FILTER_STRATEGY=top_p', 'PPO_BATCH_SIZE=4', 'TOTAL_STEPS=2', 'TEST_FREQ=0',
+                                          'SAVE_FREQ=0')), progress=False)
+    first, second = read_metrics(tmp_path/'p')
+    assert first['filter/kept_ratio'] == 0 and not any(k.startswith(('actor/', 'critic/', 'score/')) for k in first)
+    assert len(updated) == 1 and second['filter/kept_ratio'] > 0 and 'actor/pg_loss' in second   # the second step updates
+    assert out['error'] is None and out['steps'] == 2
+
+
+def test_top_p_refuses_several_processes_and_checks_its_name():
+    with pytest.raises(ValueError, match='top_k, or one process'):
+        trainer._split(Config(group_size=2, train_batch_size=8, rollout_filter_ratio=0.9, rollout_filter_strategy='top_p',
+                              ppo_batch_size=4, micro_batch_size=2), 2)
+    with pytest.raises(ValueError, match="'top_k', 'top_p'"): Config(group_size=2, rollout_filter_strategy='top-p')
+    Config(group_size=4, train_batch_size=12, rollout_filter_ratio=0.9, rollout_filter_strategy='top_p', ppo_batch_size=5,
+           micro_batch_size=5)   # no PPO_BATCH_SIZE divides a count that changes per step: none is asked for
+
+
 def test_a_critic_free_run_builds_saves_and_resumes_without_a_critic(tiny_dir, tmp_path, monkeypatch, capsys):
     from ragen_nb.trainer import _load_models
     steps = ['ADV_ESTIMATOR=grpo', 'GROUP_SIZE=2', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=2', 'KL_COEF=0', 'TOTAL_STEPS=2',
@@ -758,11 +784,14 @@ def test_validation_needs_val_rooms_test_rooms_before_anything_loads(tiny_dir, t
           progress=False)                                                    # no validation: no test rooms needed
 
 
-def test_the_engine_line_says_why_auto_did_not_pick_vllm():
+def test_the_engine_line_says_why_auto_did_not_pick_vllm(monkeypatch):
     from ragen_nb.trainer import _engine_line
     assert _engine_line(Config(rollout_engine='hf'), False, 1) == 'rollout engine: hf'
     assert _engine_line(Config(rollout_engine='auto'), True, 1) == 'rollout engine: vllm (ROLLOUT_ENGINE=auto: vLLM is installed)'
+    monkeypatch.setattr(trainer, 'vllm_available', lambda: True)             # the same lines with or without vLLM here
     assert _engine_line(Config(rollout_engine='auto'), False, 2) == 'rollout engine: hf (ROLLOUT_ENGINE=auto: 2 processes)'
+    monkeypatch.setattr(trainer, 'vllm_available', lambda: False)
+    assert _engine_line(Config(rollout_engine='auto'), False, 2) == 'rollout engine: hf (ROLLOUT_ENGINE=auto: vLLM is not installed)'
 
 
 # --- several processes ------------------------------------------------------------------------------------------------
