@@ -30,7 +30,7 @@ class Batch:
     sampled_logprobs: torch.Tensor  # the sampler's log p(token) on LLM tokens, 0 elsewhere (float)
     turn_ids: torch.Tensor          # 0 prompt, k in turn k, -1 padding (long)
     seeds: torch.Tensor             # (B,) env seed of each row: the group id for GRPO (long)
-    # Filled by the trainer's `ppo_step` (09) before its updates, so that a minibatch carries all it is trained on:
+    # Filled by the trainer's `score_batch` (09) before its updates, so that a minibatch carries all it is trained on:
     old_logprobs: torch.Tensor | None = None  # the actor's log p(token) before the update (float)
     ref_logprobs: torch.Tensor | None = None  # the reference model's, for a KL (float; None without a reference)
     values: torch.Tensor | None = None        # the critic's values before the update (float; None without a critic)

@@ -10,7 +10,7 @@ from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logpr
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.ppo import entropy_from_logits
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
-from ragen_nb.trainer import METRICS, Config, ValueModel, forward_values, make_optimizers, ppo_step
+from ragen_nb.trainer import METRICS, Config, ValueModel, forward_values, make_optimizers, ppo_step, score_batch
 
 README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30, micro_batch_size=1,
               train_batch_size=128, ppo_batch_size=64, max_start_length=400, max_response_length=100, max_obs_length=120,
@@ -179,6 +179,24 @@ def test_micro_batches_give_the_full_batch_gradient(tok):
     loss = masked_mean(-adv * lp, b.loss_mask) - 0.001 * masked_mean(entropy_from_logits(logits), b.loss_mask)
     grads = torch.autograd.grad(loss, list(actor.parameters()))
     torch.testing.assert_close(full, -torch.cat([g.flatten() for g in grads]), atol=1e-6, rtol=1e-4)
+
+
+def test_score_batch_is_gae_on_the_rollout_and_touches_no_weight(tok):
+    "The first half of ppo_step, checked against a plain loop: the episode's reward sits on its last LLM token, so with γ = λ = 1 every LLM token's return is the episode's total, and its advantage the whitened return − value."
+    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down now please', -1., 1), episode(tok, 'Left', 0.5, 2)]
+    cfg = cfg_for(3)
+    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
+    start = copy.deepcopy(actor.state_dict())
+    b, measured = score_batch(trajs, actor, critic, cfg, tok.pad_token_id)
+    assert all(torch.equal(v, actor.state_dict()[k]) for k, v in start.items())
+    for i, t in enumerate(trajs):
+        llm = b.loss_mask[i].bool()
+        torch.testing.assert_close(b.returns[i][llm], torch.full((int(llm.sum()),), float(t.total_reward)), atol=1e-5, rtol=0)
+    with torch.no_grad(): values = forward_values(critic, collate(trajs, tok.pad_token_id))
+    llm = b.loss_mask.bool()
+    torch.testing.assert_close(b.values[llm], values[llm])
+    torch.testing.assert_close(b.advantages, whiten(b.returns - b.values, b.loss_mask), atol=1e-5, rtol=0)
+    assert measured['score/mean'] == pytest.approx(sum(t.total_reward for t in trajs) / 3, abs=1e-6)
 
 
 def test_positive_advantage_tokens_become_more_likely(tok):
