@@ -22,7 +22,7 @@ from .rollout import HFEngine, RolloutConfig
 
 def eval_plan(n: int = 200, data: str | None = None, settings: EnvSettings | None = None, max_turns: int = 5,
               max_response_length: int = 24, template: str = 'qwen-instruct', think: bool = False,
-              temperatures=(0.0, 0.5), samples: int = 4, chunk_size: int = 32, engine: str = 'hf',
+              coordinates: bool = False, temperatures=(0.0, 0.5), samples: int = 4, chunk_size: int = 32, engine: str = 'hf',
               train_rooms: int = 1000, models=()) -> dict:
     "Check `evaluate`'s arguments before any model loads; the held-out seeds, settings and rollout config, or a ValueError naming the fix."
     settings = (settings or EnvSettings.from_env()).validate()
@@ -35,9 +35,10 @@ def eval_plan(n: int = 200, data: str | None = None, settings: EnvSettings | Non
                          f'sequences, at most {MAX_ENUMERATED_TURNS} turns; lower --max_turns or --max_steps')
     if engine == 'vllm' and not vllm_available(): raise ValueError('--engine vllm needs vLLM: run `bash .ci/vllm`, or use --engine hf')
     for name in models: check_model(name)   # a mistyped name, a damaged folder or no network fails here, not after minutes
-    context = 400 + max_turns * (max_response_length + 1) + (max_turns - 1) * 120   # RolloutConfig's default prompt and reply limits
-    cfg = RolloutConfig(max_turns=max_turns, max_response_length=max_response_length, max_context_length=context,
-                        template=template, think=think)
+    obs = 160   # env replies up to 160 tokens: room for the coordinates line (01) after a rejected answer
+    context = 400 + max_turns * (max_response_length + 1) + (max_turns - 1) * obs   # RolloutConfig's default prompt limit
+    cfg = RolloutConfig(max_turns=max_turns, max_response_length=max_response_length, max_obs_length=obs, max_context_length=context,
+                        template=template, think=think, coordinates=coordinates)
     return dict(seeds=heldout_seeds(n, data, settings), settings=settings, cfg=cfg)
 
 def _engine(name: str, kind: str):
@@ -48,11 +49,12 @@ def _engine(name: str, kind: str):
 
 def evaluate(model: str = EMBEDDED, base: str | None = EMBEDDED, n: int = 200, data: str | None = None,
              settings: EnvSettings | None = None, max_turns: int = 5, max_response_length: int = 24,
-             template: str = 'qwen-instruct', think: bool = False, temperatures=(0.0, 0.5), samples: int = 4,
-             chunk_size: int = 32, engine: str = 'hf', train_rooms: int = 1000, seed: int = 0, progress: bool = True) -> list[dict]:
+             template: str = 'qwen-instruct', think: bool = False, coordinates: bool = False, temperatures=(0.0, 0.5),
+             samples: int = 4, chunk_size: int = 32, engine: str = 'hf', train_rooms: int = 1000, seed: int = 0,
+             progress: bool = True) -> list[dict]:
     "The eval table's rows on `n` held-out rooms: `model` and `base` (None or the same name: skipped) greedy and sampled, then the baselines."
     names = [model] + ([base] if base not in (None, model) else [])
-    plan = eval_plan(n, data, settings, max_turns, max_response_length, template, think, temperatures, samples, chunk_size,
+    plan = eval_plan(n, data, settings, max_turns, max_response_length, template, think, coordinates, temperatures, samples, chunk_size,
                      engine, train_rooms, names)
     rows = []
     for name, label in zip(names, ('model', 'base')):
@@ -78,7 +80,7 @@ def eval_main(args: argparse.Namespace) -> int:
         if args.json and not Path(args.json).parent.is_dir(): raise ValueError(f'--json {args.json}: no folder {Path(args.json).parent}')
         settings = EnvSettings.from_env(**rooms)
         rows = evaluate(args.model, base, args.n, args.data, settings, args.max_turns, args.max_response_length,
-                        args.template, args.think, args.temperatures, args.samples, args.chunk_size, args.engine,
+                        args.template, args.think, args.coordinates, args.temperatures, args.samples, args.chunk_size, args.engine,
                         args.train_rooms, args.seed)
     except (ValueError, OSError) as e:
         print(f'ragen_nb eval: error: {e}', file=sys.stderr); return 2
@@ -86,6 +88,7 @@ def eval_main(args: argparse.Namespace) -> int:
     print(format_table(rows)); print(f'{args.n} held-out rooms, {seconds:.0f} s')
     if args.json:
         write_json(args.json, rows, model=args.model, base=base, settings=dataclasses.asdict(settings), max_turns=args.max_turns,
+                   coordinates=args.coordinates,
                    turn_budget=turn_budget(settings, args.max_turns), engine=args.engine, data=args.data,
                    seeds=heldout_seeds(args.n, args.data, settings), seconds=seconds)
     return 0
@@ -102,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument('--output', default='data/sokoban', help='folder for train.parquet and test.parquet')
     d.add_argument('--seed', type=int, default=10000, help='first train seed; test seeds follow the train seeds')
     d.add_argument('--train_size', type=int, default=10000, help='rooms in the train split')
-    d.add_argument('--test_size', type=int, default=10, help='rooms in the test split')
+    d.add_argument('--test_size', type=int, default=512, help='rooms in the test split (`train` validates on the first VAL_ROOMS, '
+                   '`eval` judges on the first --n)')
     d.add_argument('--prefix', choices=TEMPLATES, default='qwen-instruct', help='prompt template of the stored prompts')
     d.add_argument('--model', default=EMBEDDED, help='model whose tokenizer renders the prompts')
     e = sub.add_parser('eval', help='judge a model against the untrained model and the baselines on held-out rooms',
@@ -122,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument('--max_response_length', type=int, default=24, help='tokens the model may write per turn')
     e.add_argument('--template', choices=TEMPLATES, default='qwen-instruct', help='prompt template')
     e.add_argument('--think', action='store_true', help='ask for <think> … </think> before the answer')
+    e.add_argument('--coordinates', action='store_true', help='add the (row, column) of the player, boxes and targets under each '
+                   'room, as a run trained with COORDINATES=true saw them')
     e.add_argument('--engine', choices=('hf', 'vllm'), default='hf', help='HF generate, or vLLM (eager) if installed')
     e.add_argument('--chunk_size', type=int, default=32, help='episodes per generate batch (memory grows with it)')
     e.add_argument('--train_rooms', type=int, default=1000, help='training rooms on which the best fixed sequence is chosen')
@@ -183,7 +189,7 @@ def main_job_eval(argv: list[str], n: int = 200) -> int:
     start, settings = time.perf_counter(), cfg.env_settings
     data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
     try:
-        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think,
+        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think, cfg.coordinates,
                         temperatures=(0.0,))
     except (ValueError, OSError) as e:   # e.g. a curated test split of fewer than n rooms: the run itself is saved
         print(f"error: {checkpoint} is saved, but judging it failed: {' '.join(str(e).split())}; judge it with "

@@ -133,6 +133,7 @@ class RolloutConfig:
     template: str = 'qwen-instruct'   # prompt template (notebook 01)
     think: bool = False               # ask for <think> … </think> before the answer
     prefilled: bool = True            # open the assistant's turn with <answer> (or <think>)
+    coordinates: bool = False         # add the (row, column) of the player, boxes and targets under each room (notebook 01)
 
     def __post_init__(self): self.validate()
 
@@ -176,7 +177,8 @@ def rollout(engine, tokenizer, seeds: list[int], settings: EnvSettings | None = 
     env_reply(tokenizer, '', cfg)  # fails early if max_obs_length cannot hold the turn markers
     envs, trajs = [SokobanEnv(settings) for _ in seeds], []
     for env, s in zip(envs, seeds):
-        ids = tokenizer.encode(render_prompt(tokenizer, env.reset(seed=s), cfg.template, cfg.think, cfg.prefilled), add_special_tokens=False)
+        ids = tokenizer.encode(render_prompt(tokenizer, env.reset(seed=s), cfg.template, cfg.think, cfg.prefilled,
+                                             cfg.coordinates), add_special_tokens=False)
         if len(ids) > cfg.max_start_length:
             raise ValueError(f'the prompt for seed {s} has {len(ids)} tokens > max_start_length={cfg.max_start_length}: raise it')
         trajs.append(Trajectory(seed=s).add(ids, PROMPT, 0))
@@ -203,7 +205,7 @@ def rollout(engine, tokenizer, seeds: list[int], settings: EnvSettings | None = 
             traj.responses.append(response); traj.actions.append(action); traj.rewards.append(float(reward))
             traj.dones.append(bool(done)); traj.observations.append(obs)
             if done or turn == cfg.max_turns: continue
-            reply = env_reply(tokenizer, observation_message(obs, reward, action is not None, cfg.think), cfg)
+            reply = env_reply(tokenizer, observation_message(obs, reward, action is not None, cfg.think, cfg.coordinates), cfg)
             if len(traj) + len(reply) + cfg.max_response_length + 1 > cfg.max_context_length: continue
             traj.add(reply, ENV, turn)
             still.append(i)

@@ -19,8 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from .sokoban import EnvSettings, SokobanEnv, ACTIONS, PLAYER, BOX, BOX_ON_TARGET, TARGET, room_from_text, solve
-from .data import render_prompt, observation_message, prefill, split_seeds, load_split
+from .sokoban import EnvSettings, SokobanEnv, ACTIONS, solve
+from .data import positions, render_prompt, observation_message, prefill, split_seeds, load_split
 from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, env_reply
 from .masking import Batch, collate, masked_mean
@@ -30,11 +30,11 @@ from .trainer import Config, _convert, _save_merged, _with_lora
 # %% ../nbs/13_sft.ipynb #50bd60e0
 def think_text(room: str) -> str:
     "A short thought made of positions read off `room`: where the player, the boxes and the targets are, as (row, column)."
-    room_fixed, room_state = room_from_text(room)
-    def at(cells): return ', '.join(f'({r},{c})' for r, c in np.argwhere(cells).tolist())
-    boxes, targets = np.isin(room_state, (BOX, BOX_ON_TARGET)), room_fixed == TARGET
-    return (f"I am at {at(room_state == PLAYER)}, the box{'es' if boxes.sum() > 1 else ''} at {at(boxes)}, "
-            f"the target{'s' if targets.sum() > 1 else ''} at {at(targets)}.")
+    where = positions(room)
+    def at(cells): return ', '.join(f'({r},{c})' for r, c in cells)
+    boxes, targets = where['boxes'], where['targets']
+    return (f"I am at {at(where['you'])}, the box{'es' if len(boxes) > 1 else ''} at {at(boxes)}, "
+            f"the target{'s' if len(targets) > 1 else ''} at {at(targets)}.")
 
 def answer_text(action: int, room: str, cfg: RolloutConfig) -> str:
     "What a demonstration writes for `action` in `room` after the prompt's opening: `Up</answer>`, with a think of positions first when `cfg.think`."
@@ -44,7 +44,7 @@ def answer_text(action: int, room: str, cfg: RolloutConfig) -> str:
 # %% ../nbs/13_sft.ipynb #35ffa04e
 def _prompt_ids(tokenizer, room: str, cfg: RolloutConfig, seed: int) -> list[int]:
     "The first prompt's ids, as `rollout` encodes them (and with its length check)."
-    ids = tokenizer.encode(render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled), add_special_tokens=False)
+    ids = tokenizer.encode(render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled, cfg.coordinates), add_special_tokens=False)
     if len(ids) > cfg.max_start_length:
         raise ValueError(f'the prompt for seed {seed} has {len(ids)} tokens > max_start_length={cfg.max_start_length}: raise it')
     return ids
@@ -76,7 +76,7 @@ def demonstration(tokenizer, seed: int, settings: EnvSettings | None = None, cfg
         traj.responses.append(tokenizer.decode(ids)); traj.actions.append(action); traj.rewards.append(float(reward))
         traj.dones.append(bool(done)); traj.observations.append(room); traj.success = info['success']
         if done: break
-        reply = env_reply(tokenizer, observation_message(room, reward, True, cfg.think), cfg)
+        reply = env_reply(tokenizer, observation_message(room, reward, True, cfg.think, cfg.coordinates), cfg)
         if len(traj) + len(reply) + cfg.max_response_length + 1 > cfg.max_context_length: return None   # the rollout stops here
         traj.add(reply, ENV, turn)
     return traj
@@ -198,6 +198,7 @@ class SFTConfig:
     max_turns: int = 5  # most turns per episode; rooms BFS cannot solve in min(MAX_TURNS, MAX_STEPS) moves are skipped (MAX_TURNS)
     template: str = 'qwen-instruct'  # prompt template (01): 'qwen-instruct' or 'base'
     think: bool = False  # demonstrations think first (where the player, boxes and targets are), then answer
+    coordinates: bool = False  # add the (row, column) of the player, boxes and targets under each room, as `train`'s COORDINATES (with MAX_OBS_LENGTH=160)
     multi_turn: bool = True  # one example per room with every turn and env reply; False: one per state of the BFS path, as a first prompt
     train_batch_size: int = 8  # examples per optimizer step
     micro_batch_size: int = 2  # examples per forward/backward pass, grouped by length; gradients accumulate
@@ -243,7 +244,8 @@ class SFTConfig:
     def rollout_config(self) -> RolloutConfig:
         "The rollout limits of `train` with the same settings (09), so the demonstrations are its episodes token for token."
         return Config(max_turns=self.max_turns, max_start_length=self.max_start_length, max_response_length=self.max_response_length,
-                      max_obs_length=self.max_obs_length, template=self.template, think=self.think).rollout_config()
+                      max_obs_length=self.max_obs_length, template=self.template, think=self.think,
+                      coordinates=self.coordinates).rollout_config()
 
     def validate(self) -> 'SFTConfig':
         "Raise ValueError naming the first setting that is out of range or contradicts another; return self."

@@ -100,6 +100,7 @@ class Config:
     format_penalty: float = -0.1  # reward of a turn whose answer holds no valid action (04)
     template: str = 'qwen-instruct'  # prompt template (01): 'qwen-instruct' (the tokenizer's chat template) or 'base'
     think: bool = False  # ask for <think> … </think> before the answer (R1 style; give it a longer MAX_RESPONSE_LENGTH)
+    coordinates: bool = False  # add the (row, column) of the player, boxes and targets under each room (01; RAGEN's CoordSokoban); give it MAX_OBS_LENGTH=160
     val_temperature: float = 0.0  # sampling temperature at validation (0: greedy, as RAGEN)
     val_samples: int = 1  # rollouts per test room at validation; more than 1 needs val_temperature > 0
     val_rooms: int = 64  # test rooms validated during training: the first VAL_ROOMS of the test split (0: all of it)
@@ -160,7 +161,7 @@ class Config:
         return RolloutConfig(max_turns=self.max_turns, max_start_length=self.max_start_length,
                              max_response_length=self.max_response_length, max_obs_length=self.max_obs_length,
                              max_context_length=context, temperature=self.temperature, format_penalty=self.format_penalty,
-                             template=self.template, think=self.think)
+                             template=self.template, think=self.think, coordinates=self.coordinates)
 
     def validate(self) -> 'Config':
         "Raise ValueError naming the first setting that is out of range or contradicts another; return self."

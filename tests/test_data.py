@@ -2,7 +2,8 @@
 import subprocess, sys
 import pyarrow.parquet as pq
 import pytest
-from ragen_nb.data import curate, load_split, render_prompt, followup_text, observation_message
+from ragen_nb.data import (coordinates_line, curate, first_message, load_split, positions, render_prompt, followup_text,
+                           observation_message)
 from ragen_nb.models import load_tokenizer
 from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, solve
 
@@ -78,3 +79,18 @@ def test_wrong_types_and_empty_cells_are_refused_naming_the_folder(tmp_path, tok
     with pytest.raises(FileNotFoundError, match=fix): load_split(tmp_path/'absent.parquet')
     (tmp_path/'file').write_text('')
     with pytest.raises(NotADirectoryError, match='is a file'): curate(tmp_path/'file', train_size=1, test_size=1, tokenizer=tok)
+
+
+def test_coordinates_are_the_cells_of_the_drawing():
+    "Two boxes, one on its target: every box and every target is listed, as (row, column) read off the drawing by hand."
+    room = '######\n#P_X_#\n#_√O_#\n######'
+    assert positions(room) == {'you': [(1, 1)], 'boxes': [(1, 3), (2, 2)], 'targets': [(2, 2), (2, 3)]}
+    assert coordinates_line(room) == ('Positions as (row, column), (0, 0) at the top left: '
+                                      'you (1, 1); boxes (1, 3) (2, 2); targets (2, 2) (2, 3).')
+    with_line = f'{room}\n{coordinates_line(room)}'   # the line sits right under the drawing; nothing else changes
+    assert first_message(room, coordinates=True) == first_message(room).replace(room, with_line)
+    assert observation_message(room, -0.1, coordinates=True) == observation_message(room, -0.1).replace(room, with_line)
+    for seed in range(20):   # a wall row above and a wall column on the left move every position by (1, 1)
+        room = SokobanEnv().reset(seed=seed)
+        shifted = '\n'.join(['#' * (room.index('\n') + 1)] + ['#' + row for row in room.splitlines()])
+        assert positions(shifted) == {k: [(r + 1, c + 1) for r, c in v] for k, v in positions(room).items()}

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 from ragen_nb.models import load_tokenizer, load_model, tiny_model
 from ragen_nb.tokens import LLM, ENV
 from ragen_nb.sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text, solve
-from ragen_nb.data import render_prompt, first_message, followup_text, observation_message
+from ragen_nb.data import coordinates_line, render_prompt, first_message, followup_text, observation_message, question
 from ragen_nb.rollout import (parse_action, truncate_after_answer, HFEngine, ScriptedEngine, RolloutConfig, rollout,
                               env_reply, CUT_MARKER, CLOSE)
 
@@ -222,7 +222,7 @@ def check_trajectory(traj, tok, cfg):
     assert traj.turns.count(0) <= cfg.max_start_length and len(traj) <= cfg.max_context_length and n <= cfg.max_turns
     eos, opening, env = tok.eos_token_id, '<answer>', SokobanEnv(SETTINGS)
     obs0 = env.reset(seed=traj.seed)
-    chat = [{'role': 'user', 'content': first_message(obs0)}]
+    chat = [{'role': 'user', 'content': first_message(obs0, coordinates=cfg.coordinates)}]
     for turn in range(1, n + 1):
         llm = [i for i, s, t in zip(traj.ids, traj.sources, traj.turns) if s == LLM and t == turn]
         env_ids = [i for i, s, t in zip(traj.ids, traj.sources, traj.turns) if s == ENV and t == turn]
@@ -238,7 +238,8 @@ def check_trajectory(traj, tok, cfg):
         closing = [] if closed_by_model else [eos]
         assert env_ids[:len(closing)] == closing
         reply = env_ids[len(closing):]
-        message = observation_message(traj.observations[turn - 1], traj.rewards[turn - 1], valid=action is not None)
+        message = observation_message(traj.observations[turn - 1], traj.rewards[turn - 1], valid=action is not None,
+                                      coordinates=cfg.coordinates)
         assert len(reply) <= cfg.max_obs_length and (turn < n or not reply)
         if reply and CUT_MARKER not in tok.decode(reply): assert tok.decode(reply) == followup_text(tok, message)
         chat += [{'role': 'assistant', 'content': opening + traj.responses[turn - 1]}, {'role': 'user', 'content': message}]
@@ -293,6 +294,18 @@ def test_rollout_model_eos_is_llm_and_added_eos_is_env(tok):
                for turn in (1, 2, 3)]
     assert closing == [ENV, LLM, ENV] and traj.actions == [3, None, 1] and traj.success
     check_trajectory(traj, tok, RolloutConfig(max_turns=3))
+
+def test_rollout_with_coordinates_poses_every_room_with_its_positions(tok):
+    contexts = []
+    def reply(context): contexts.append(context); return 'Right</answer>'
+    cfg = RolloutConfig(max_turns=3, coordinates=True, max_obs_length=160)
+    traj = rollout(ScriptedEngine(tok, reply), tok, [0], SETTINGS, cfg)[0]
+    rooms = [SokobanEnv(SETTINGS).reset(seed=0)] + traj.observations[:-1]
+    assert rooms[0] != rooms[1] and len(contexts) == 3                  # seed 0: the first Right walks, the next ones hit a wall
+    for turn, (context, room) in enumerate(zip(contexts, rooms), start=1):
+        assert context.count('Positions as') == turn                    # one line per user turn so far
+        assert context.endswith(f'{room}\n{coordinates_line(room)}\n{question()}<|im_end|>\n<|im_start|>assistant\n<answer>')
+    check_trajectory(traj, tok, cfg)
 
 def test_rollout_limits(tok):
     wander = ScriptedEngine(tok, lambda ctx: 'Left</answer>')          # seed 3: a wall on the left; nothing changes

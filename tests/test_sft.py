@@ -55,9 +55,9 @@ def read_metrics(run):
 
 # --- demonstrations -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('think', [False, True])
-def test_demonstrations_are_the_rollouts_episodes_and_solve_their_rooms(tok, think):
-    cfg, compared = RolloutConfig(think=think), 0
+@pytest.mark.parametrize('think, coordinates', [(False, False), (True, False), (False, True)])
+def test_demonstrations_are_the_rollouts_episodes_and_solve_their_rooms(tok, think, coordinates):
+    cfg, compared = RolloutConfig(think=think, coordinates=coordinates, max_obs_length=160), 0
     for seed in SEEDS:
         demo = demonstration(tok, seed, SEED_SETTINGS, cfg)
         env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
