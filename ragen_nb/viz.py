@@ -6,7 +6,8 @@
 __all__ = ['FIELDS', 'CJK_FONTS', 'TOKEN_CSS', 'PANELS', 'COLLAPSE_KEYS', 'write_rollouts', 'read_records', 'read_rollouts',
            'find_room', 'first_room', 'room_rgb', 'rooms_before_after', 'font_families', 'quiet_glyphs',
            'describe_turn', 'trajectory_figure', 'save_trajectory_images', 'token_strip', 'TrajectoryWidget',
-           'read_metrics', 'series', 'collapse_regions', 'flagged_regions', 'plot_run', 'synthetic_metrics']
+           'read_metrics', 'series', 'collapse_regions', 'flagged_regions', 'plot_run', 'synthetic_metrics',
+           'small_image']
 
 # %% ../nbs/10_viz.ipynb #5c85df6d
 import base64, dataclasses, functools, html, importlib.resources, io, json, math, re, textwrap, warnings
@@ -457,3 +458,13 @@ def synthetic_metrics(steps: int = 120, collapse_at: int | None = 70, test_freq:
             r |= {'val/success_rate': 0.25 * learn * fall, 'val/valid_action_rate': 0.5 + 0.4 * learn, 'val/mean_reward': r['score/mean']}
         out.append(r)
     return out
+
+# %% ../nbs/10_viz.ipynb #c10a0002
+def small_image(fig, dpi: int = 72, colours: int = 64):
+    "`fig` as an inline PNG of at most `colours` colours (and closed, so a notebook does not draw it a second time)."
+    from IPython.display import Image
+    import matplotlib.pyplot as plt
+    png, small = io.BytesIO(), io.BytesIO()
+    fig.savefig(png, format='png', dpi=dpi, bbox_inches='tight'); plt.close(fig)
+    PILImage.open(png).convert('RGB').quantize(colours).save(small, format='png', optimize=True)
+    return Image(small.getvalue())

@@ -11,7 +11,8 @@ from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, render_rgb
 from ragen_nb.rollout import rollout, ScriptedEngine, RolloutConfig
 from ragen_nb.viz import (write_rollouts, read_rollouts, read_records, find_room, first_room, rooms_before_after, room_rgb,
                           trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs, token_strip,
-                          TrajectoryWidget, read_metrics, series, collapse_regions, plot_run, synthetic_metrics, PANELS)
+                          TrajectoryWidget, read_metrics, series, collapse_regions, plot_run, synthetic_metrics, PANELS,
+                          small_image)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 ODD = 'not sure $\\frac{ 你好 √'   # an unparseable answer with mathtext, CJK and the box-on-target symbol
@@ -262,3 +263,14 @@ def test_read_metrics_lines(tmp_path):
     with pytest.warns(UserWarning, match='line 3: unfinished last line'): assert read_metrics(tmp_path) == [{'step': 1}, {'step': 2}]
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r'metrics\.jsonl, line 2: not JSON'): read_metrics(path)
+
+
+def test_small_image_keeps_the_figure_in_fewer_colours():
+    fig = plot_run(synthetic_metrics())
+    plain = io.BytesIO(); fig.savefig(plain, format='png', dpi=60, bbox_inches='tight')
+    small = Image.open(io.BytesIO(small_image(fig, dpi=60, colours=64).data))
+    full = Image.open(plain).convert('RGB')
+    assert small.size == full.size and len(small.getcolors(256)) <= 64
+    assert len(small_image(fig, dpi=60).data) < len(plain.getvalue()) / 2
+    diff = np.abs(np.asarray(small.convert('RGB'), float) - np.asarray(full, float)).mean()
+    assert diff < 3, diff          # mean error per channel, of 255: the same picture
