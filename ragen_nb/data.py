@@ -13,8 +13,8 @@ import numpy as np
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
 from tqdm.auto import tqdm
-from .sokoban import (EnvSettings, generate_room, render_text, room_from_text, solve, ACTIONS, PLAYER, BOX,
-                              BOX_ON_TARGET, TARGET)
+from .sokoban import EnvSettings, generate_room, render_text, room_from_text, solve, ACTIONS
+from .sokoban import PLAYER, BOX, BOX_ON_TARGET, TARGET
 
 # %% ../nbs/01_data.ipynb #213217d6
 TEMPLATES = ('qwen-instruct', 'base')

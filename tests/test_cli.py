@@ -78,6 +78,19 @@ def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypat
     assert len(err) == 1 and err[0].startswith('ragen_nb eval: error: ') and message in err[0]
 
 
+def test_eval_coordinates_reach_the_rollout_and_the_json(tmp_path, monkeypatch):
+    import ragen_nb.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, '_engine', lambda name, kind: (None, None))
+    monkeypatch.setattr(cli, 'model_rows', lambda engine, tok, seeds, settings, cfg, *a: seen.append(cfg) or [])
+    for flag in ([], ['--coordinates']):
+        out = tmp_path/f'eval{len(flag)}.json'
+        assert cli.main(['eval', '--no-base', '--n', '2', '--max_turns', '2', '--search_depth', '4', '--train_rooms', '5',
+                         '--json', str(out), *flag]) == 0
+        assert json.loads(out.read_text())['coordinates'] is bool(flag)
+    assert [cfg.coordinates for cfg in seen] == [False, True]
+
+
 def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
     from ragen_nb.cli import eval_plan, main
     main(['data', '--output', str(tmp_path), '--train_size', '3', '--test_size', '2'])

@@ -232,8 +232,9 @@ def test_env_variables_set_the_rooms_but_not_the_run(monkeypatch):
 
 
 def test_rollout_config_is_trains(tok):
-    for args in ([], ['THINK=True', 'MAX_TURNS=2', 'MAX_OBS_LENGTH=90', 'TEMPLATE=base']):
+    for args in ([], ['THINK=True', 'MAX_TURNS=2', 'MAX_OBS_LENGTH=90', 'TEMPLATE=base'], ['COORDINATES=true', 'MAX_OBS_LENGTH=160']):
         assert SFTConfig.from_args(args).rollout_config() == Config.from_args(args).rollout_config()
+    assert Config.from_args(['COORDINATES=true']).rollout_config().coordinates and not Config().rollout_config().coordinates
 
 
 def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_path, monkeypatch):
