@@ -189,8 +189,8 @@ def main_job_eval(argv: list[str], n: int = 200) -> int:
     start, settings = time.perf_counter(), cfg.env_settings
     data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
     try:
-        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think, cfg.coordinates,
-                        temperatures=(0.0,))
+        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think,
+                        cfg.coordinates, temperatures=(0.0,))
     except (ValueError, OSError) as e:   # e.g. a curated test split of fewer than n rooms: the run itself is saved
         print(f"error: {checkpoint} is saved, but judging it failed: {' '.join(str(e).split())}; judge it with "
               f"`ragen_nb eval --model {checkpoint}` and the fix above", file=sys.stderr)

@@ -44,7 +44,8 @@ def answer_text(action: int, room: str, cfg: RolloutConfig) -> str:
 # %% ../nbs/13_sft.ipynb #35ffa04e
 def _prompt_ids(tokenizer, room: str, cfg: RolloutConfig, seed: int) -> list[int]:
     "The first prompt's ids, as `rollout` encodes them (and with its length check)."
-    ids = tokenizer.encode(render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled, cfg.coordinates), add_special_tokens=False)
+    text = render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled, cfg.coordinates)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > cfg.max_start_length:
         raise ValueError(f'the prompt for seed {seed} has {len(ids)} tokens > max_start_length={cfg.max_start_length}: raise it')
     return ids
