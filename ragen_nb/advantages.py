@@ -117,12 +117,12 @@ def turn_level_gae(rewards: torch.Tensor,  # (B, L) reward on each token (only L
     return advantages, torch.where(m, advantages + values, 0.)
 
 # %% ../nbs/06_gae.ipynb #fe56f71c
-NORMS = ('grpo', 'brpo', 'arpo')
+NORMS = ('grpo', 'brpo', 'arpo', 'maxrl')
 
-def outcome_advantages(scores: torch.Tensor,  # (B,) one score per trajectory (e.g. `token_rewards.sum(-1)`)
+def outcome_advantages(scores: torch.Tensor,  # (B,) one score per trajectory (e.g. `token_rewards.sum(-1)`; for 'maxrl' 1 solved, 0 not)
                        group_ids: torch.Tensor,  # (B,) group of each trajectory (the env seed, for GRPO)
                        mask: torch.Tensor,  # (B, L) 1 on LLM tokens
-                       norm: str = 'grpo',  # 'grpo' per group, 'brpo' over the batch, 'arpo' none
+                       norm: str = 'grpo',  # 'grpo' per group, 'brpo' over the batch, 'arpo' none, 'maxrl' by the group's mean
                        eps: float = 1e-6,
                       ) -> torch.Tensor:
     "(B, L) advantages: each trajectory's normalised score on each of its LLM tokens, 0 elsewhere."
@@ -130,11 +130,15 @@ def outcome_advantages(scores: torch.Tensor,  # (B,) one score per trajectory (e
     if scores.shape != group_ids.shape or scores.shape[0] != mask.shape[0]:
         raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} need one entry per row of mask {tuple(mask.shape)}")
     s = _float(scores)
+    if norm == 'maxrl' and (s < 0).any():
+        raise ValueError("norm='maxrl' divides by the group's mean success: scores must be >= 0 (1 solved, 0 not)")
     if norm == 'arpo': adv = s
     elif norm == 'brpo': adv = (s - s.mean()) / (s.std() + eps) if len(s) > 1 else torch.zeros_like(s)
     else:
         adv = torch.zeros_like(s)
         for g in group_ids.unique():
             i = group_ids == g
-            if i.sum() > 1: adv[i] = (s[i] - s[i].mean()) / (s[i].std() + eps)
+            if i.sum() < 2: continue
+            if norm == 'grpo': adv[i] = (s[i] - s[i].mean()) / (s[i].std() + eps)
+            elif s[i].mean() > 0: adv[i] = (s[i] - s[i].mean()) / s[i].mean()   # a group with no success stays at 0
     return torch.where(mask.bool(), adv[:, None], 0.)

@@ -75,7 +75,7 @@ class Config:
     rollout_tp_size: int = 1  # tensor-parallel size of the vLLM engine (ROLLOUT_TP_SIZE)
     gamma: float = 1.0  # GAE discount per LLM token
     lam: float = 1.0  # GAE lambda
-    adv_estimator: str = 'gae'  # 'gae', 'bilevel_gae' (turn-level GAE), or critic-free over room groups: 'grpo', 'brpo', 'arpo' (algorithm.adv_estimator)
+    adv_estimator: str = 'gae'  # 'gae', 'bilevel_gae' (turn-level GAE), or critic-free over room groups: 'grpo', 'brpo', 'arpo', 'maxrl' (scores success 1/0 only) (algorithm.adv_estimator)
     high_level_gamma: float = 0.95  # bilevel_gae only: discount per turn (algorithm.high_level_gamma)
     per_turn_rewards: bool = False  # each turn's reward on that turn's last LLM token, not all on the last one (agent_proxy.use_turn_scores)
     actor_lr: float = 1e-6  # actor learning rate (AdamW)
@@ -147,7 +147,7 @@ class Config:
 
     @property
     def critic_free(self) -> bool:
-        "True for the estimators that need no critic (grpo, brpo, arpo): none is built, trained or saved."
+        "True for the estimators that need no critic (grpo, brpo, arpo, maxrl): none is built, trained or saved."
         return self.adv_estimator in NORMS
 
     @property
@@ -221,8 +221,8 @@ class Config:
         if not 0 < self.gpu_memory_utilization <= 1: raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if self.critic not in CRITICS: raise ValueError(f"critic={self.critic!r}: must be one of {CRITICS}")
         if self.adv_estimator not in ADV_ESTIMATORS: raise ValueError(f"adv_estimator={self.adv_estimator!r}: must be one of {ADV_ESTIMATORS}")
-        if self.adv_estimator == 'grpo' and self.group_size == 1:
-            raise ValueError("adv_estimator='grpo' compares the rollouts of one room, and a group of one gets advantage 0: "
+        if self.adv_estimator in ('grpo', 'maxrl') and self.group_size == 1:
+            raise ValueError(f"adv_estimator={self.adv_estimator!r} compares the rollouts of one room, and a group of one gets advantage 0: "
                              "set GROUP_SIZE >= 2")
         if self.critic_free and self.per_turn_rewards:
             raise ValueError(f"per_turn_rewards=True does nothing with adv_estimator={self.adv_estimator!r}, which scores the episode's "
@@ -398,6 +398,7 @@ def _advantages(rewards: torch.Tensor, values: torch.Tensor | None, b: Batch, tr
     if cfg.adv_estimator == 'bilevel_gae':   # RAGEN: γ, λ inside a turn; high_level_gamma and λ across turns
         return turn_level_gae(rewards, values, b.loss_mask, b.turn_ids, cfg.gamma, cfg.lam, cfg.high_level_gamma, cfg.lam)
     scores, groups = rewards.sum(-1), group_ids(trajs, cfg.group_size).to(rewards.device)
+    if cfg.adv_estimator == 'maxrl': scores = torch.tensor([float(t.success) for t in trajs], device=rewards.device)   # success only (06)
     if accelerator is None or accelerator.num_processes == 1:
         return outcome_advantages(scores, groups, b.loss_mask, cfg.adv_estimator), None
     n, rank = len(scores), accelerator.process_index   # BRPO normalises over the whole batch: score every process's rows
@@ -432,7 +433,7 @@ def _nonfinite(step: int, what: str, *opts):
 # %% ../nbs/09_trainer.ipynb #d11d9185
 def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter): whole room groups of cfg.group_size, in order
                 actor: nn.Module,  # the policy, a Hugging Face causal LM
-                critic: ValueModel | None,  # the value model; None for the critic-free estimators (grpo, brpo, arpo)
+                critic: ValueModel | None,  # the value model; None for the critic-free estimators (grpo, brpo, arpo, maxrl)
                 cfg: Config,  # estimator, KL and micro-batch settings
                 pad_id: int,  # the tokenizer's pad id
                 ref: nn.Module | None = None,  # frozen reference policy; required when cfg.kl_coef or cfg.kl_loss_coef > 0, unless the actor is LoRA
@@ -465,7 +466,7 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
 
 def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): whole room groups of cfg.group_size, in order
              actor: nn.Module,  # the policy, a Hugging Face causal LM
-             critic: ValueModel | None,  # the value model; None for the critic-free estimators (grpo, brpo, arpo)
+             critic: ValueModel | None,  # the value model; None for the critic-free estimators (grpo, brpo, arpo, maxrl)
              actor_opt: torch.optim.Optimizer,  # optimizer over the actor's parameters
              critic_opt: torch.optim.Optimizer | None,  # optimizer over the critic's parameters; None without a critic
              cfg: Config,  # batch sizes, epochs, estimator and PPO coefficients
@@ -796,7 +797,7 @@ def setup(cfg: Config) -> Setup:
         raise ValueError(f"ROLLOUT_ENGINE=vllm runs in one process; with {acc.num_processes} processes use ROLLOUT_ENGINE=hf")
     acc.wait_for_everyone()   # every process has seen the same folder before the main one writes to it
     if main: run.mkdir(parents=True, exist_ok=True)
-    tok, actor, critic, ref = _load_models(cfg, checkpoint, acc.device)   # critic None for grpo, brpo, arpo
+    tok, actor, critic, ref = _load_models(cfg, checkpoint, acc.device)   # critic None for grpo, brpo, arpo, maxrl
     actor_opt, critic_opt = make_optimizers(actor, critic, cfg)
     done = load_training_state(checkpoint, actor_opt, critic_opt) if checkpoint else 0
     if not checkpoint: random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)

@@ -82,6 +82,7 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['GROUP_SIZE=16', 'ROLLOUT_FILTER_RATIO=0.25'], 'PPO_BATCH_SIZE=32'),   # 32 kept, minibatches of 64: names the fix
     (['ADV_ESTIMATOR=ppo'], 'adv_estimator'),
     (['ADV_ESTIMATOR=grpo'], 'GROUP_SIZE >= 2'),                     # GRPO compares rollouts of one room
+    (['ADV_ESTIMATOR=maxrl'], 'GROUP_SIZE >= 2'),                    # so does MaxRL
     (['ADV_ESTIMATOR=brpo', 'PER_TURN_REWARDS=True'], 'PER_TURN_REWARDS=False'),
     (['ADV_ESTIMATOR=arpo', 'GROUP_SIZE=2'], 'KL_LOSS_COEF'),             # k1 penalties would rank tied groups by KL noise
     (['KL_LOSS_COEF=0.01'], 'KL_COEF=0'),                            # KL in the reward and in the loss at once
@@ -315,6 +316,19 @@ def test_kl_loss_is_the_chosen_estimate_against_the_reference_and_moves_the_upda
     vec = torch.nn.utils.parameters_to_vector
     assert (vec(a.parameters()) - vec(b_.parameters())).abs().max() > 1e-6
     with pytest.raises(ValueError, match='reference'): step_with(tok, trajs, KL_LOSS_COEF=0.5)
+
+
+def test_maxrl_scores_success_not_reward(tok, monkeypatch):
+    calls, used = spy(monkeypatch, 'outcome_advantages'), spy(monkeypatch, 'policy_loss')
+    trajs = two_rooms(tok)                                                # rewards 1, -1 | 2, 2
+    for t, solved in zip(trajs, [True, False, True, True]): t.success = solved
+    step_with(tok, trajs, ADV_ESTIMATOR='maxrl', GROUP_SIZE=2)
+    scores, groups, mask, how = calls[0]
+    assert how == 'maxrl' and groups.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(scores, torch.tensor([1., 0., 1., 1.]))   # success, whatever the reward
+    adv, m = used[0][2], used[0][3].bool()
+    for row, want in enumerate([1., -1., 0., 0.]):                        # (s - p) / p with p = 1/2; room 1 all solved: 0
+        torch.testing.assert_close(adv[row][m[row]], torch.full((int(m[row].sum()),), want), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize('norm', ['grpo', 'brpo', 'arpo'])
