@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MAX_ENUMERATED_TURNS', 'NO_MI', 'COLUMNS', 'wilson_interval', 'mi_from_counts', 'room_action_mi', 'cached_room',
            'heldout_seeds', 'action_sequences', 'solve_steps_loop', 'solve_steps', 'baseline_rows', 'turn_budget',
-           'baselines', 'format_table', 'play', 'trajectory_metrics', 'model_rows']
+           'baselines', 'format_table', 'play', 'trajectory_metrics', 'model_rows', 'move_quality']
 
 # %% ../nbs/11_evaluate.ipynb #a330aded
 import math
@@ -255,3 +255,27 @@ def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, c
         rows.append(dict(policy=f'{name} {label}', **trajectory_metrics(trajs, seed=seed),
                          note=f'{k} per room, {time.perf_counter() - start:.0f} s'))
     return rows
+
+# %% ../nbs/11_evaluate.ipynb #b3d1e002
+def move_quality(trajs: Sequence[Trajectory], settings: EnvSettings, max_turns: int) -> list[dict]:
+    "Per turn: answers given, rooms still solvable in the moves left, and the shares of those moves that were optimal, had no effect, or were no action."
+    out = []
+    for t in trajs:
+        env = SokobanEnv(settings); env.reset(seed=t.seed)
+        for turn, action in enumerate(t.actions):
+            if turn == len(out): out.append(dict(turn=turn + 1, answers=0, solvable=0, optimal=0, no_effect=0, no_action=0))
+            row, left = out[turn], min(max_turns - turn, settings.max_steps - env.num_steps)
+            row['answers'] += 1
+            plan = solve(env.room_fixed, env.room_state, max_depth=left)
+            if plan is None: continue                       # already lost: no move can count as right or wrong
+            row['solvable'] += 1
+            if action is None: row['no_action'] += 1; continue   # the env did not move (invalid answer, 'noop')
+            after = SokobanEnv(settings); after.load_room(env.room_fixed, env.room_state)
+            _, _, _, info = after.step(action)
+            row['optimal'] += info['success'] or solve(after.room_fixed, after.room_state, max_depth=len(plan) - 1) is not None
+            row['no_effect'] += not info['action_is_effective']
+            if env.step(action)[2]: break
+    for row in out:
+        n = max(row['solvable'], 1)
+        row.update(optimal=row['optimal'] / n, no_effect=row['no_effect'] / n, no_action=row['no_action'] / n)
+    return out

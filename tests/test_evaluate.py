@@ -252,3 +252,26 @@ def test_scripted_players_score_their_baselines(tok):
     assert rows[1]['success_rate'] == ref[1]['success_rate']
     assert rows[1]['first_action_entropy'] == 0 and rows[1]['distinct_first_actions'] == 1
     assert rows[0]['valid_action_rate'] == rows[1]['valid_action_rate'] == 1.0
+
+
+def test_move_quality_on_scripted_episodes():
+    from ragen_nb.evaluate import move_quality
+    from ragen_nb.sokoban import SokobanEnv
+    settings, turns = EnvSettings(search_depth=4), 2
+    seeds = [s for s in range(20000, 20040) if len(solve(*cached_room(settings, s), max_depth=turns)) == 2][:3]
+    def episode(seed, actions):
+        t = Trajectory(seed=seed); t.actions = list(actions); return t
+    def no_effect_action(seed):
+        for a in ACTIONS:
+            env = SokobanEnv(settings); env.reset(seed=seed); before = env.room_state.copy(); env.step(a)
+            if (env.room_state == before).all(): return a
+    plans = {s: solve(*cached_room(settings, s), max_depth=turns) for s in seeds}
+    bfs = move_quality([episode(s, plans[s]) for s in seeds], settings, turns)
+    assert [(r['turn'], r['answers'], r['solvable'], r['optimal'], r['no_effect']) for r in bfs] == [(1, 3, 3, 1.0, 0.0), (2, 3, 3, 1.0, 0.0)]
+    # a wasted first move leaves one move for a 2-move room: lost, so turn 2 is not judged
+    bumps = [episode(s, [no_effect_action(s), plans[s][0]]) for s in seeds if no_effect_action(s)]
+    assert bumps, 'no room with a no-effect move among the chosen ones'
+    q = move_quality(bumps, settings, turns)
+    assert (q[0]['optimal'], q[0]['no_effect'], q[1]['solvable'], q[1]['answers']) == (0.0, 1.0, 0, len(bumps))
+    invalid = move_quality([episode(seeds[0], [None, plans[seeds[0]][0]])], settings, turns)   # an answer that was no action
+    assert (invalid[0]['no_action'], invalid[0]['optimal'], invalid[1]['solvable']) == (1.0, 0.0, 0)
