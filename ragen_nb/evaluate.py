@@ -266,15 +266,16 @@ def move_quality(trajs: Sequence[Trajectory], settings: EnvSettings, max_turns: 
             if turn == len(out): out.append(dict(turn=turn + 1, answers=0, solvable=0, optimal=0, no_effect=0, no_action=0))
             row, left = out[turn], min(max_turns - turn, settings.max_steps - env.num_steps)
             row['answers'] += 1
-            plan = solve(env.room_fixed, env.room_state, max_depth=left)
-            if plan is None: continue                       # already lost: no move can count as right or wrong
-            row['solvable'] += 1
-            if action is None: row['no_action'] += 1; continue   # the env did not move (invalid answer, 'noop')
-            after = SokobanEnv(settings); after.load_room(env.room_fixed, env.room_state)
-            _, _, _, info = after.step(action)
-            row['optimal'] += info['success'] or solve(after.room_fixed, after.room_state, max_depth=len(plan) - 1) is not None
-            row['no_effect'] += not info['action_is_effective']
-            if env.step(action)[2]: break
+            plan = solve(env.room_fixed, env.room_state, max_depth=left)   # None: already lost, no move is right or wrong
+            if plan is not None:
+                row['solvable'] += 1
+                if action is None: row['no_action'] += 1                      # an invalid answer: the env did not move
+                else:
+                    after = SokobanEnv(settings); after.load_room(env.room_fixed, env.room_state)
+                    _, _, _, info = after.step(action)
+                    row['optimal'] += info['success'] or solve(after.room_fixed, after.room_state, max_depth=len(plan) - 1) is not None
+                    row['no_effect'] += not info['action_is_effective']
+            if action is not None and env.step(action)[2]: break
     for row in out:
         n = max(row['solvable'], 1)
         row.update(optimal=row['optimal'] / n, no_effect=row['no_effect'] / n, no_action=row['no_action'] / n)
