@@ -259,8 +259,7 @@ def test_move_quality_on_scripted_episodes():
     from ragen_nb.sokoban import SokobanEnv
     settings, turns = EnvSettings(search_depth=4), 2
     seeds = [s for s in range(20000, 20040) if len(solve(*cached_room(settings, s), max_depth=turns)) == 2][:3]
-    def episode(seed, actions):
-        t = Trajectory(seed=seed); t.actions = list(actions); return t
+    def episode(seed, actions): return _traj(seed, actions, False)
     def no_effect_action(seed):
         for a in ACTIONS:
             env = SokobanEnv(settings); env.reset(seed=seed); before = env.room_state.copy(); env.step(a)
