@@ -89,6 +89,8 @@ class Config:
     kl_coef: float = 0.001  # weight of the k1 KL to the reference, subtracted from token rewards (algorithm.kl_ctrl.kl_coef)
     kl_loss_coef: float = 0.0  # weight of the KL to the reference added to the actor loss instead; needs KL_COEF=0 (actor.kl_loss_coef)
     kl_loss_type: str = 'k3'  # estimator of that KL on the sampled LLM tokens: 'k1', 'k2' or 'k3' (07) (actor.kl_loss_type)
+    measure_kl_ref: bool = True  # False: with no KL term (KL_COEF=0, KL_LOSS_COEF=0), skip the reference pass that only measures actor/kl_ref (logged as nan): one forward pass less per step
+    recompute_old_logprobs: bool = True  # False: the sampler's own logprobs are the old ones, one forward pass less per step; ROLLOUT_ENGINE=hf only, where the sampler is the actor (they differ by float error)
     grad_clip: float = 1.0  # max gradient norm, actor and critic separately
     temperature: float = 1.0  # sampling temperature; logprobs are computed at the same temperature
     seed: int = 0  # seed of model init, minibatch shuffling and rollout sampling
@@ -235,6 +237,10 @@ class Config:
             raise ValueError(f"kl_coef={self.kl_coef} (KL in the reward) and kl_loss_coef={self.kl_loss_coef} (KL in the loss): "
                              "pick one, e.g. KL_COEF=0")
         if self.kl_loss_type not in KL_KINDS: raise ValueError(f"kl_loss_type={self.kl_loss_type!r}: must be one of {KL_KINDS}")
+        if not self.recompute_old_logprobs and self.rollout_engine != 'hf':   # vLLM's logprobs differ from the trainer's (08)
+            raise ValueError(f"recompute_old_logprobs=False takes the sampler's logprobs as the old ones, which only ROLLOUT_ENGINE=hf "
+                             f"(the actor itself) computes as the trainer does; rollout_engine={self.rollout_engine!r}: set "
+                             "ROLLOUT_ENGINE=hf or RECOMPUTE_OLD_LOGPROBS=True")
         if self.format_penalty > 0: raise ValueError(f"format_penalty={self.format_penalty}: must be <= 0, or invalid answers pay")
         if not self.log_mode or any(m not in LOG_MODES for m in self.log_mode.split(',')):
             raise ValueError(f"log_mode={self.log_mode!r}: must be one or more of {LOG_MODES}, comma-separated")
@@ -347,9 +353,9 @@ METRICS = {
     'actor/dual_clipfrac': 'share of LLM tokens whose loss the dual clip capped (DUAL_CLIP > 0 only)',
     'actor/kl_loss': 'KL_LOSS_TYPE estimate of KL(π ‖ π_ref) on LLM tokens, the term weighted by KL_LOSS_COEF in the actor loss (KL_LOSS_COEF > 0 only)',
     'actor/grad_norm': 'actor gradient norm before clipping',
-    'actor/kl_ref': 'k1 KL to the reference on LLM tokens before the update (nan without a reference)',
-    'actor/sampler_gap': 'mean |old logprob − sampler logprob| on LLM tokens: engine and trainer disagree when large',
-    'rollout/logprob_mismatch_kl': 'KL(sampler ‖ trainer) on the sampled LLM tokens, k3 estimate (08): the engine\'s numerics against the trainer\'s',
+    'actor/kl_ref': 'k1 KL to the reference on LLM tokens before the update (nan without a reference, or with MEASURE_KL_REF=False and no KL term)',
+    'actor/sampler_gap': 'mean |old logprob − sampler logprob| on LLM tokens: engine and trainer disagree when large (nan with RECOMPUTE_OLD_LOGPROBS=False)',
+    'rollout/logprob_mismatch_kl': 'KL(sampler ‖ trainer) on the sampled LLM tokens, k3 estimate (08): the engine\'s numerics against the trainer\'s (nan with RECOMPUTE_OLD_LOGPROBS=False)',
     'critic/vf_loss': 'clipped value loss, token mean, averaged over minibatches (critic estimators only, as every critic/ key)',
     'critic/vf_clipfrac': 'share of LLM tokens whose value was clipped',
     'critic/grad_norm': 'critic gradient norm before clipping',
@@ -380,16 +386,21 @@ def _reference_logprobs(actor, ref, mb: Batch, temperature: float) -> torch.Tens
 
 @torch.no_grad()
 def _score(actor, critic, ref, b: Batch, cfg: Config) -> tuple:
-    "Old logprobs, values (None without a critic) and reference logprobs (None without a reference) of `b`, micro-batch by micro-batch."
-    old, refs = torch.zeros_like(b.loss_mask), torch.zeros_like(b.loss_mask)
+    "Old logprobs (the sampler's with RECOMPUTE_OLD_LOGPROBS=False), values (None without a critic) and reference logprobs (None without a reference, or when only the metric needs them and MEASURE_KL_REF=False) of `b`, micro-batch by micro-batch; passes nothing needs are skipped."
+    recompute = cfg.recompute_old_logprobs
+    old = torch.zeros_like(b.loss_mask) if recompute else b.sampled_logprobs * b.loss_mask
     values = torch.zeros_like(b.loss_mask) if critic is not None else None
-    has_ref = ref is not None or is_lora(actor)
+    needs_ref = cfg.kl_coef > 0 or cfg.kl_loss_coef > 0 or cfg.measure_kl_ref
+    has_ref = (ref is not None or is_lora(actor)) and needs_ref
+    refs = torch.zeros_like(b.loss_mask) if has_ref else None
     for rows in torch.arange(len(b)).split(cfg.micro_batch_size):
         mb = _trimmed(b[rows]); n = mb.input_ids.shape[1]
-        old[rows, :n], _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False)
-        if values is not None: values[rows, :n] = v
+        if recompute or values is not None:
+            logprobs, _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False)
+            if recompute: old[rows, :n] = logprobs
+            if values is not None: values[rows, :n] = v
         if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg.temperature)
-    return old, values, (refs if has_ref else None)
+    return old, values, refs
 
 def _advantages(rewards: torch.Tensor, values: torch.Tensor | None, b: Batch, trajs: list[Trajectory], cfg: Config,
                 accelerator=None) -> tuple:
@@ -453,9 +464,10 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
     advantages, returns = _advantages(rewards, values, b, trajs, cfg, accelerator)
     used = advantages if cfg.critic_free else _whiten(advantages, mask, accelerator)   # group-normalised already (or raw, for arpo)
     scores = b.token_rewards.sum(-1)
-    out = {'actor/kl_ref': masked_mean(old - refs, mask).item() if refs is not None else float('nan'),
-           'actor/sampler_gap': masked_mean((old - b.sampled_logprobs).abs(), mask).item(),
-           'rollout/logprob_mismatch_kl': logprob_mismatch_kl(b.sampled_logprobs.cpu(), old.cpu(), mask.cpu()),
+    recomputed, nan = cfg.recompute_old_logprobs, float('nan')
+    out = {'actor/kl_ref': masked_mean(old - refs, mask).item() if refs is not None else nan,
+           'actor/sampler_gap': masked_mean((old - b.sampled_logprobs).abs(), mask).item() if recomputed else nan,
+           'rollout/logprob_mismatch_kl': logprob_mismatch_kl(b.sampled_logprobs.cpu(), old.cpu(), mask.cpu()) if recomputed else nan,
            'score/mean': scores.mean().item(), 'score/std': scores.std().item() if len(scores) > 1 else 0.,
            'response/llm_tokens': mask.sum(-1).float().mean().item()}
     if critic is not None:

@@ -1,5 +1,6 @@
 "Trainer: settings and their checks, the critic's alignment and causality, and one PPO step on a tiny model."
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -90,6 +91,8 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['HIGH_LEVEL_GAMMA=2'], 'high_level_gamma'),
     (['VAL_ROOMS=-1'], 'val_rooms'),
     (['LOG_MODE=tensorboard'], 'log_mode'),
+    (['RECOMPUTE_OLD_LOGPROBS=False'], 'ROLLOUT_ENGINE=hf'),           # 'auto' may sample with vLLM, whose logprobs differ
+    (['RECOMPUTE_OLD_LOGPROBS=False', 'ROLLOUT_ENGINE=vllm'], 'recompute_old_logprobs'),
 ])
 def test_bad_settings_name_the_setting(args, name):
     with pytest.raises(ValueError, match=name): Config.from_args(args)
@@ -441,6 +444,42 @@ def test_step_on_rollouts_recomputes_the_sampler_logprobs(tok):
     # at the wrong temperature the recomputed logprobs no longer match the sampler's: the metric can fail
     hot = dataclasses.replace(cfg, temperature=1.0)
     assert ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, hot), hot, tok.pad_token_id)['actor/sampler_gap'] > 1e-2
+
+
+def test_sampler_logprobs_as_old_ones_give_the_recomputed_update_with_one_pass_less(tok, monkeypatch):
+    "RECOMPUTE_OLD_LOGPROBS=False on HF rollouts: the same SGD update as recomputing them (the sampler is the actor), one pass less."
+    from ragen_nb.rollout import HFEngine, rollout
+    args = ['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
+            'KL_COEF=0', 'TEMPERATURE=0.7', 'ADV_ESTIMATOR=grpo', 'ROLLOUT_ENGINE=hf', 'CLIP_RATIO_LOW=0.01', 'CLIP_RATIO_HIGH=0.01']
+    sampler = tiny_model(tok)
+    trajs = rollout(HFEngine(sampler, tok), tok, [0, 0, 1, 1], Config.from_args(args).env_settings,
+                    Config.from_args(args).rollout_config(), seed=0)
+    for t, total in zip(trajs, [1., -1., 2., 0.]): t.rewards = [0.] * (len(t.rewards) - 1) + [total]   # both groups disagree
+    def update(recompute: bool, rollouts) -> tuple:
+        cfg, actor = Config.from_args(args + [f'RECOMPUTE_OLD_LOGPROBS={recompute}']), copy.deepcopy(sampler)
+        calls = spy(monkeypatch, 'policy_and_values')
+        metrics = ppo_step(rollouts, actor, None, torch.optim.SGD(actor.parameters(), lr=1.0), None, cfg, tok.pad_token_id)
+        return metrics, torch.cat([p.detach().flatten() for p in actor.parameters()]), len(calls)
+    before = torch.cat([p.detach().flatten() for p in sampler.parameters()])
+    recomputed, a, passes_a = update(True, trajs)
+    sampled, b, passes_b = update(False, trajs)
+    assert (passes_a, passes_b) == (8, 4)                         # 4 micro-batches scored, then updated; or only updated
+    assert (a - before).abs().max() > 1e-3                        # the update moved the actor
+    torch.testing.assert_close(b, a, atol=1e-6, rtol=0)            # and both moved it alike
+    assert recomputed['actor/clipfrac'] > 0 and recomputed['actor/clipfrac'] == pytest.approx(sampled['actor/clipfrac'])
+    assert recomputed['actor/sampler_gap'] < 1e-4 and math.isnan(sampled['actor/sampler_gap'])
+    shifted = copy.deepcopy(trajs)                                # other old logprobs: another update, so the check can fail
+    for t in shifted: t.logprobs = [lp - 0.5 if lp else lp for lp in t.logprobs]
+    assert (update(False, shifted)[1] - a).abs().max() > 1e-3
+
+
+def test_the_reference_pass_runs_only_where_a_kl_or_the_metric_needs_it(tok, monkeypatch):
+    calls = spy(monkeypatch, '_reference_logprobs')
+    def kl_ref(**kw): calls.clear(); return step_with(tok, two_rooms(tok), ref=tiny_model(tok), **kw)[0]['actor/kl_ref'], len(calls)
+    assert kl_ref() == (0., 1)                                    # measured: the reference is the untrained actor here
+    value, passes = kl_ref(MEASURE_KL_REF=False)
+    assert math.isnan(value) and passes == 0                      # no KL term: skipped
+    assert kl_ref(MEASURE_KL_REF=False, KL_LOSS_COEF=0.1) == (0., 1)   # a KL term needs it
 
 
 # --- the training loop ----------------------------------------------------------------------------------------------
