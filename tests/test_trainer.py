@@ -1,7 +1,7 @@
 "Trainer: settings and their checks, the critic's alignment and causality, and one PPO step on a tiny model."
 import copy
-import math
 import dataclasses
+import math
 
 import pytest
 import torch
