@@ -95,7 +95,7 @@ class Config:
     temperature: float = 1.0  # sampling temperature; logprobs are computed at the same temperature
     seed: int = 0  # seed of model init, minibatch shuffling and rollout sampling
     total_steps: int = 200  # training steps (rollout + update) in the run
-    save_freq: int = 100  # save a checkpoint every this many steps (0: never)
+    save_freq: int = 100  # save a checkpoint every this many steps and after the last one (0: never)
     test_freq: int = 10  # evaluate on the test split every this many steps (0: never)
     output_dir: str = 'checkpoints'  # checkpoints go to output_dir/experiment_name/global_step_N
     resume: bool = False  # continue from the latest complete checkpoint in output_dir/experiment_name
@@ -868,7 +868,7 @@ def train(cfg: Config, progress: bool = True) -> dict:
                       'timing/step': time.perf_counter() - t0}
             log.write(record)
             log.trajectories(everyone, step, s.tok)
-            if cfg.save_freq and step % cfg.save_freq == 0:
+            if cfg.save_freq and (step % cfg.save_freq == 0 or step == cfg.total_steps):
                 if main: checkpoint = save_checkpoint(s.run, step, s.policy, s.critic and acc.unwrap_model(s.critic), s.actor_opt,
                                                       s.critic_opt, s.tok, cfg)
                 acc.wait_for_everyone()

@@ -631,6 +631,14 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_last_step_is_saved_even_off_the_save_frequency(tiny_dir, tmp_path):
+    done = train(Config.from_args(run_args(tiny_dir, tmp_path, 'last', 'TOTAL_STEPS=3', 'SAVE_FREQ=2', 'TEST_FREQ=0')), progress=False)
+    assert [p.name for p in sorted((tmp_path/'last').glob('global_step_*'))] == ['global_step_2', 'global_step_3']
+    assert Path(done['checkpoint']).name == 'global_step_3' and latest_checkpoint(tmp_path/'last').name == 'global_step_3'
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'never', 'TOTAL_STEPS=1', 'SAVE_FREQ=0', 'TEST_FREQ=0')), progress=False)
+    assert not list((tmp_path/'never').glob('global_step_*'))              # SAVE_FREQ=0 still saves nothing
+
+
 def test_a_new_run_refuses_a_used_folder(tiny_dir, tmp_path, capsys):
     (tmp_path/'used').mkdir(); (tmp_path/'used'/'metrics.jsonl').write_text('')
     assert train_main(run_args(tiny_dir, tmp_path, 'used')) == 2
