@@ -51,16 +51,16 @@ def evaluate(model: str = EMBEDDED, base: str | None = EMBEDDED, n: int = 200, d
              settings: EnvSettings | None = None, max_turns: int = 5, max_response_length: int = 24,
              template: str = 'qwen-instruct', think: bool = False, coordinates: bool = False, temperatures=(0.0, 0.5),
              samples: int = 4, chunk_size: int = 32, engine: str = 'hf', train_rooms: int = 1000, seed: int = 0,
-             progress: bool = True) -> list[dict]:
-    "The eval table's rows on `n` held-out rooms: `model` and `base` (None or the same name: skipped) greedy and sampled, then the baselines."
+             progress: bool = True, base_temperatures=None) -> list[dict]:
+    "The eval table's rows on `n` held-out rooms: `model` and `base` (None or the same name: skipped) at each of `temperatures` (`base` at `base_temperatures` if given), then the baselines."
     names = [model] + ([base] if base not in (None, model) else [])
     plan = eval_plan(n, data, settings, max_turns, max_response_length, template, think, coordinates, temperatures, samples, chunk_size,
                      engine, train_rooms, names)
     rows = []
     for name, label in zip(names, ('model', 'base')):
         eng, tok = _engine(name, engine)
-        rows += model_rows(eng, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temperatures, samples, chunk_size,
-                           seed, progress)
+        temps = base_temperatures if label == 'base' and base_temperatures is not None else temperatures
+        rows += model_rows(eng, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temps, samples, chunk_size, seed, progress)
         del eng; gc.collect()
     return rows + baselines(plan['settings'], max_turns, n, train_rooms, data)
 
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         e.add_argument(f'--{name}', type=int, default=None, help=f'room setting (default: ${env}, else EnvSettings\'s)')
     sub.add_parser('train', add_help=False, help='PPO on Sokoban; KEY=value settings, listed by `ragen_nb train --help`')
     sub.add_parser('train-cpu', add_help=False, help='the main job: `train` with MAIN_JOB settings, sized for a laptop CPU '
-                   '(about 40 min on 2 cores, then a greedy eval on 200 rooms); KEY=value settings override them')
+                   '(20 MaxRL steps and an eval on 200 rooms: about 53 min on 2 cores); KEY=value settings override them')
     sub.add_parser('sft', add_help=False, help='supervised fine-tuning on BFS demonstrations (13); KEY=value settings, '
                    'listed by `ragen_nb sft --help`; its checkpoints start `train` with BASE_MODEL=<checkpoint>')
     return p
@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
 
 # %% ../nbs/15_cli.ipynb #79e5fd8d
 MAIN_JOB = ['EXPERIMENT_NAME=cpu-smollm2-135m', 'SEARCH_DEPTH=4', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=8',
-            'TRAIN_BATCH_SIZE=8', 'PPO_BATCH_SIZE=8', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'LORA_RANK=16', 'CRITIC=shared',
-            'ACTOR_LR=1e-4', 'CRITIC_LR=1e-3', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=20',
-            'TOTAL_STEPS=60', 'SAVE_FREQ=30', 'ROLLOUT_ENGINE=hf', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=20',
-            'LOG_N_IMAGE_PER_BATCH=2']
+            'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'LORA_RANK=16',
+            'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0', 'RECOMPUTE_OLD_LOGPROBS=False', 'MEASURE_KL_REF=False',
+            'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=10', 'TOTAL_STEPS=20', 'SAVE_FREQ=10', 'ROLLOUT_ENGINE=hf',
+            'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=10', 'LOG_N_IMAGE_PER_BATCH=2']
 
-def main_job_eval(argv: list[str], n: int = 200) -> int:
-    "After `train-cpu`: the eval table (11) of the run's last checkpoint on `n` held-out rooms, greedy, beside the baselines; printed and written to the run folder's `eval.json`."
+def main_job_eval(argv: list[str], n: int = 200, samples: int = 2) -> int:
+    "After `train-cpu`: the eval table (11) of the run's last checkpoint on `n` held-out rooms (greedy, and `samples` per room at T=0.5 for the room/first-action MI), the model it started from (greedy) and the baselines; printed and written to the run folder's `eval.json`."
     from ragen_nb.trainer import Config, latest_checkpoint
     cfg = Config.from_env(argv)
     run = Path(cfg.output_dir)/cfg.experiment_name
@@ -185,18 +185,19 @@ def main_job_eval(argv: list[str], n: int = 200) -> int:
     if checkpoint is None:
         print(f"no checkpoint in {run} to evaluate (SAVE_FREQ=0?): `ragen_nb eval --model <checkpoint>` judges one", file=sys.stderr)
         return 0
-    print(f"evaluating {checkpoint} on {n} held-out rooms, greedy, beside the baselines (11)", flush=True)
+    print(f"evaluating {checkpoint} on {n} held-out rooms (greedy, and {samples} per room at T=0.5), beside {cfg.base_model} "
+          f"(greedy) and the baselines (11)", flush=True)
     start, settings = time.perf_counter(), cfg.env_settings
     data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
     try:
-        rows = evaluate(str(checkpoint), None, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template, cfg.think,
-                        cfg.coordinates, temperatures=(0.0,))
+        rows = evaluate(str(checkpoint), cfg.base_model, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template,
+                        cfg.think, cfg.coordinates, temperatures=(0.0, 0.5), samples=samples, base_temperatures=(0.0,))
     except (ValueError, OSError) as e:   # e.g. a curated test split of fewer than n rooms: the run itself is saved
         print(f"error: {checkpoint} is saved, but judging it failed: {' '.join(str(e).split())}; judge it with "
               f"`ragen_nb eval --model {checkpoint}` and the fix above", file=sys.stderr)
         return 2
     print(format_table(rows)); print(f'{n} held-out rooms, {time.perf_counter() - start:.0f} s; table also in {run/"eval.json"}')
-    write_json(run/'eval.json', rows, model=str(checkpoint), settings=dataclasses.asdict(settings), max_turns=cfg.max_turns,
+    write_json(run/'eval.json', rows, model=str(checkpoint), base=cfg.base_model, settings=dataclasses.asdict(settings), max_turns=cfg.max_turns,
                turn_budget=turn_budget(settings, cfg.max_turns), data=data, seeds=heldout_seeds(n, data, settings))
     return 0
 

@@ -111,7 +111,7 @@ def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypat
     exit_code = 1                                                            # a run stopped on a non-finite step: no eval
     assert cli.main(['train-cpu']) == 1 and len(judged) == 1
     cfg = trainer.Config.from_args(seen[0])                                  # valid, and the user's setting wins
-    assert cfg.total_steps == 3 and cfg.lora_rank > 0 and cfg.critic == 'shared'
+    assert cfg.total_steps == 3 and cfg.lora_rank > 0 and cfg.adv_estimator == 'maxrl' and cfg.critic_free
 
 
 def test_train_cpu_help_shows_its_settings_and_every_key():
@@ -134,8 +134,10 @@ def test_main_job_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path,
     table = json.loads((tmp_path/'cpu-smollm2-135m'/'eval.json').read_text())
     assert Path(table['model']).name == 'global_step_2'                      # the last checkpoint
     assert table['seeds'] == heldout_seeds(3, None, Config.from_args(argv).env_settings) and table['turn_budget'] == 2
-    assert [r['policy'] for r in table['rows']] == ['model greedy', 'uniform random', 'best fixed sequence', 'BFS optimum']
+    assert [r['policy'] for r in table['rows']] == ['model greedy', 'model T=0.5', 'base greedy', 'uniform random',
+                                                    'best fixed sequence', 'BFS optimum']
     assert all(r['rooms'] == 3 for r in table['rows']) and 'BFS optimum' in out
+    assert table['rows'][1]['episodes'] == 6 and table['base'] == str(tmp_path/'tiny')   # 2 samples per room: the MI has pairs
     from ragen_nb.cli import main
     main(['data', '--output', str(tmp_path/'rooms'), '--train_size', '3', '--test_size', '2'])   # 2 test rooms, 3 asked
     capsys.readouterr()
