@@ -197,8 +197,9 @@ def main_job_eval(argv: list[str], n: int = 200, samples: int = 2) -> int:
               f"`ragen_nb eval --model {checkpoint}` and the fix above", file=sys.stderr)
         return 2
     print(format_table(rows)); print(f'{n} held-out rooms, {time.perf_counter() - start:.0f} s; table also in {run/"eval.json"}')
-    write_json(run/'eval.json', rows, model=str(checkpoint), base=cfg.base_model, settings=dataclasses.asdict(settings), max_turns=cfg.max_turns,
-               turn_budget=turn_budget(settings, cfg.max_turns), data=data, seeds=heldout_seeds(n, data, settings))
+    write_json(run/'eval.json', rows, model=str(checkpoint), base=cfg.base_model, settings=dataclasses.asdict(settings),
+               max_turns=cfg.max_turns, turn_budget=turn_budget(settings, cfg.max_turns), data=data,
+               seeds=heldout_seeds(n, data, settings))
     return 0
 
 
