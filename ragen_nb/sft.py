@@ -154,6 +154,7 @@ def sft_step(model: nn.Module,  # a causal LM, possibly with LoRA adapters
              grad_clip: float = 1.0,  # max gradient norm
              share_prefix: bool = True,  # `llm_logprobs_shared` instead of `llm_logprobs` (same loss)
              step: int = 0,  # for the error message
+             bf16: bool = False,  # forward and backward under bf16 autocast (the weights and AdamW stay fp32)
             ) -> dict:
     "One optimizer step on `trajs`: the token mean of −log π over all their LLM tokens; loss, grad_norm and token counts."
     n_tokens = sum(t.sources.count(LLM) for t in trajs)
@@ -164,7 +165,8 @@ def sft_step(model: nn.Module,  # a causal LM, possibly with LoRA adapters
     try:
         for start in range(0, len(order), micro_batch_size):
             b = collate([trajs[i] for i in order[start:start + micro_batch_size]], pad_id).to(device)
-            loss = -logprobs_of(model, b).sum() / n_tokens           # this micro-batch's share of the token mean
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = -logprobs_of(model, b).sum() / n_tokens       # this micro-batch's share of the token mean
             finite = finite and bool(torch.isfinite(loss))
             loss.backward(); total += loss.item()
         norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
@@ -212,6 +214,7 @@ class SFTConfig:
     lora_rank: int = 16  # rank of LoRA adapters on every linear layer (0: full fine-tuning)
     lora_alpha: int = 32  # LoRA scale numerator: adapters are scaled by lora_alpha / lora_rank
     share_prefix: bool = True  # run the prompt start shared by a micro-batch once (same loss, less compute)
+    bf16: bool = False  # matrix products in bf16 under autocast: about 2x faster on CPUs with AVX512-BF16 or AMX, slower where bf16 is emulated
     seed: int = 0  # seed of the LoRA init and of the order of the rooms
     save_freq: int = 0  # also save a checkpoint every this many steps (0: only after the last)
     test_freq: int = 0  # play val_rooms held-out rooms greedily every this many steps and after the last (0: never)
@@ -351,7 +354,7 @@ def sft(cfg: SFTConfig, progress: bool = True) -> dict:
                                                       disable=not progress) as bar:
         for step in bar:
             t0, c0, lr = time.perf_counter(), time.process_time(), schedule.get_last_lr()[0]
-            out = sft_step(model, opt, batch, tok.pad_token_id, cfg.micro_batch_size, cfg.grad_clip, cfg.share_prefix, step)
+            out = sft_step(model, opt, batch, tok.pad_token_id, cfg.micro_batch_size, cfg.grad_clip, cfg.share_prefix, step, cfg.bf16)
             schedule.step()
             seen['train_s'] += time.perf_counter() - t0; seen['train_cpu_s'] += time.process_time() - c0
             seen['examples'] += len(batch); seen['answers'] += sum(len(t.actions) for t in batch); seen['tokens'] += out['tokens']

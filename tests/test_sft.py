@@ -179,6 +179,21 @@ def test_micro_batches_and_the_shared_prefix_leave_the_step_unchanged(tok):
     for a in after[1:]: torch.testing.assert_close(a, after[0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_bf16_step_moves_the_weights_as_the_fp32_step_does(tok):
+    demos = demonstrations(tok, range(10000, 10006), SEED_SETTINGS)[0][:4]
+    start = torch.nn.utils.parameters_to_vector(tiny_model(tok).parameters())
+    moves, losses = [], []
+    for bf16 in (False, True):
+        model = tiny_model(tok)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = sft_step(model, opt, demos, tok.pad_token_id, micro_batch_size=2, bf16=bf16)
+        moves.append(torch.nn.utils.parameters_to_vector(model.parameters()) - start); losses.append(stats['loss'])
+        assert all(p.dtype == torch.float32 for p in model.parameters())   # autocast leaves the weights in fp32
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)               # bf16 keeps ~3 significant digits
+    assert torch.nn.functional.cosine_similarity(moves[0], moves[1], dim=0) > 0.99
+    assert not torch.equal(moves[0], moves[1])                              # it did run in bf16
+
+
 def test_nonfinite_step_raises_and_applies_nothing(tok):
     demos = demonstrations(tok, range(10000, 10002), SEED_SETTINGS)[0]
     model = tiny_model(tok)
@@ -281,6 +296,15 @@ def test_share_prefix_chooses_the_shared_forward(tok, tiny_dir, tmp_path, monkey
     assert calls == ['shared', 'shared']                        # one step, two micro-batches of one
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'off', 'TOTAL_STEPS=1', 'SHARE_PREFIX=False')) == 0
     assert calls == ['shared', 'shared']                        # none more
+
+
+def test_bf16_setting_reaches_the_step(tok, tiny_dir, tmp_path, monkeypatch):
+    seen = []
+    real = sft_module.sft_step
+    monkeypatch.setattr(sft_module, 'sft_step', lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'bf16', 'TOTAL_STEPS=1', 'BF16=true')) == 0
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1')) == 0
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize('lora_rank', [0, 4])
