@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['SFT_ENV_VARS', 'LR_SCHEDULERS', 'SFT_FILE', 'think_text', 'answer_text', 'solution', 'demonstration',
            'demonstrations', 'single_turn_demonstrations', 'sft_loss', 'llm_logprobs', 'shared_prefix_length',
-           'llm_logprobs_shared', 'sft_step', 'SFTConfig', 'sft_help', 'train_seeds', 'val_seeds',
+           'llm_logprobs_shared', 'sft_step', 'SFTConfig', 'sft_help', 'cpu_has_bf16', 'train_seeds', 'val_seeds',
            'demonstration_stream', 'save_sft_checkpoint', 'validate_model', 'sft', 'sft_main']
 
 # %% ../nbs/13_sft.ipynb #8d421117
-import dataclasses, inspect, itertools, json, os, re, shutil, sys, tempfile, time, typing
+import dataclasses, inspect, itertools, json, os, re, shutil, sys, tempfile, time, typing, warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -286,6 +286,12 @@ def sft_help() -> str:
     return '\n'.join(lines)
 
 # %% ../nbs/13_sft.ipynb #a6997f75
+def cpu_has_bf16(cpuinfo: str | Path = '/proc/cpuinfo') -> bool | None:
+    "Whether this CPU multiplies bf16 natively (x86: avx512_bf16 or amx_bf16; Arm: bf16), from Linux's `cpuinfo` flags; None where it cannot tell."
+    try: words = set(Path(cpuinfo).read_text().split())
+    except OSError: return None
+    return bool(words & {'avx512_bf16', 'amx_bf16', 'bf16'})
+
 def train_seeds(cfg: SFTConfig) -> list[int]:
     "Training rooms: `data_dir`'s train.parquet (checked against the settings) when it exists, else `ragen_nb data`'s default range."
     path = Path(cfg.data_dir)/'train.parquet'
@@ -345,6 +351,9 @@ def sft(cfg: SFTConfig, progress: bool = True) -> dict:
     heldout = val_seeds(cfg) if cfg.test_freq else []
     model = load_model(cfg.base_model, device=default_device())
     if cfg.lora_rank: model = _with_lora(model, cfg, None)
+    if cfg.bf16 and model.device.type == 'cpu' and cpu_has_bf16() is False:
+        warnings.warn("BF16=true on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 among its flags): bf16 is "
+                      "emulated here and many times slower than fp32; set BF16=false")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=round(cfg.warmup_steps_ratio * cfg.total_steps),
                              num_training_steps=cfg.total_steps)

@@ -307,6 +307,27 @@ def test_bf16_setting_reaches_the_step(tok, tiny_dir, tmp_path, monkeypatch):
     assert seen == [True, False]
 
 
+@pytest.mark.parametrize('flags, native', [('fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni', True),   # Zen 4, Cooper Lake
+                                           ('fpu sse2 avx2 amx_bf16 amx_tile', True),                 # Sapphire Rapids
+                                           ('fp asimd bf16 i8mm', True),                              # Arm (Features line)
+                                           ('fpu sse2 avx2 fma', False),                              # Zen 2: emulated
+                                           ('fpu sse2 avx512f avx512bw avx512_vnni', False)])         # AVX-512 without bf16
+def test_cpu_has_bf16_reads_the_cpu_flags(tmp_path, flags, native):
+    (tmp_path/'cpuinfo').write_text(f'processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n')
+    assert sft_module.cpu_has_bf16(tmp_path/'cpuinfo') is native
+    assert sft_module.cpu_has_bf16(tmp_path/'absent') is None     # not Linux: cannot tell, so no warning
+
+
+@pytest.mark.parametrize('native, warns', [(False, True), (True, False), (None, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns(tiny_dir, tmp_path, monkeypatch, recwarn, native, warns):
+    monkeypatch.setattr(sft_module, 'cpu_has_bf16', lambda: native)
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'bf16', 'TOTAL_STEPS=1', 'BF16=true')) == 0
+    assert any('set BF16=false' in str(w.message) for w in recwarn) == warns
+    recwarn.clear()
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1')) == 0   # fp32 never warns
+    assert not any('BF16' in str(w.message) for w in recwarn)
+
+
 @pytest.mark.parametrize('lora_rank', [0, 4])
 def test_a_checkpoint_starts_train_as_base_model(tok, tiny_dir, tmp_path, lora_rank):
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'sft', f'LORA_RANK={lora_rank}', 'LR=0.01')) == 0
