@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['SFT_ENV_VARS', 'LR_SCHEDULERS', 'SFT_FILE', 'think_text', 'answer_text', 'solution', 'demonstration',
-           'demonstrations', 'single_turn_demonstrations', 'sft_loss', 'llm_logprobs', 'shared_prefix_length',
-           'llm_logprobs_shared', 'sft_step', 'SFTConfig', 'sft_help', 'cpu_has_bf16', 'train_seeds', 'val_seeds',
-           'demonstration_stream', 'save_sft_checkpoint', 'validate_model', 'sft', 'sft_main']
+           'demonstrations', 'single_turn_demonstrations', 'sft_loss', 'llm_logprobs', 'llm_logprobs_shared',
+           'sft_step', 'SFTConfig', 'sft_help', 'cpu_has_bf16', 'train_seeds', 'val_seeds', 'demonstration_stream',
+           'save_sft_checkpoint', 'validate_model', 'sft', 'sft_main']
 
 # %% ../nbs/13_sft.ipynb #8d421117
 import dataclasses, inspect, itertools, json, os, re, shutil, sys, tempfile, time, typing, warnings
@@ -25,7 +25,7 @@ from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, env_reply
 from .masking import Batch, collate, masked_mean
 from .models import EMBEDDED, check_model, default_device, load_model, load_tokenizer, quiet_hf_bars
-from .trainer import Config, _convert, _save_merged, _with_lora
+from .trainer import Config, _convert, _save_merged, _with_lora, prefix_cache, shared_prefix_length
 
 # %% ../nbs/13_sft.ipynb #50bd60e0
 def think_text(room: str) -> str:
@@ -128,19 +128,11 @@ def llm_logprobs(model, b: Batch) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, b.input_ids[rows, cols + 1, None]).squeeze(-1)
 
 # %% ../nbs/13_sft.ipynb #76de1e17
-def shared_prefix_length(b: Batch) -> int:
-    "Length of the longest prefix that every row of `b` shares and that predicts no LLM token."
-    same = (b.input_ids == b.input_ids[:1]).all(0).long()            # column j equal in every row
-    first_llm = int(b.loss_mask.argmax(-1).min())                       # the earliest LLM token of any row
-    return min(int(same.cumprod(0).sum()), first_llm - 1)
-
 def llm_logprobs_shared(model, b: Batch) -> torch.Tensor:
     "`llm_logprobs`, with the prefix every row shares run once and its keys and values repeated for each row."
     n, decoder = shared_prefix_length(b), model.get_decoder()
-    cache = decoder(input_ids=b.input_ids[:1, :n], position_ids=b.position_ids[:1, :n], use_cache=True).past_key_values
-    cache.batch_repeat_interleave(len(b))
     hidden = decoder(input_ids=b.input_ids[:, n:], attention_mask=b.attention_mask, position_ids=b.position_ids[:, n:],
-                     past_key_values=cache, use_cache=True).last_hidden_state
+                     past_key_values=prefix_cache(model, b, n), use_cache=True).last_hidden_state
     rows, cols = b.loss_mask[:, 1:].nonzero(as_tuple=True)
     logits = model.get_output_embeddings()(hidden[rows, cols - n]).float()
     return logits.log_softmax(-1).gather(-1, b.input_ids[rows, cols + 1, None]).squeeze(-1)

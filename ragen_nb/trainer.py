@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['LOG_MODES', 'CRITICS', 'ENGINES', 'ADV_ESTIMATORS', 'RAGEN_ENV_VARS', 'HEAD_FILE', 'METRICS', 'TRAIN_METRICS',
-           'DEFAULT_SPLITS', 'STATE_FILE', 'Config', 'ValueModel', 'forward_values', 'token_stats', 'llm_forward',
-           'policy_and_values', 'is_lora', 'score_batch', 'ppo_step', 'make_optimizers', 'room_seeds', 'batch_seeds',
-           'checkpoint_problem', 'latest_checkpoint', 'RunLog', 'Setup', 'setup', 'train', 'save_checkpoint',
-           'load_training_state', 'config_help', 'check_run', 'train_main']
+           'DEFAULT_SPLITS', 'STATE_FILE', 'Config', 'ValueModel', 'forward_values', 'token_stats',
+           'shared_prefix_length', 'prefix_cache', 'llm_forward', 'policy_and_values', 'is_lora', 'score_batch',
+           'ppo_step', 'make_optimizers', 'room_seeds', 'batch_seeds', 'checkpoint_problem', 'latest_checkpoint',
+           'RunLog', 'Setup', 'setup', 'train', 'save_checkpoint', 'load_training_state', 'config_help', 'check_run',
+           'train_main']
 
 # %% ../nbs/09_trainer.ipynb #21d1889a
 import contextlib, copy, dataclasses, math, os, random, shutil, tempfile, typing
@@ -71,6 +72,7 @@ class Config:
     num_update_per_roll: int = 1  # PPO epochs over each rollout batch (NUM_UPDATE_PER_ROLL)
     log_mode: str = 'console'  # 'console', 'wandb' or both comma-separated; console is always on (LOG_MODE)
     gcp: bool = True  # gradient checkpointing in the actor and critic (GCP)
+    share_prefix: bool = False  # run the prompt start that a micro-batch's rows share once per forward pass (same logprobs up to float error, fewer tokens through the trunk); needs GCP=False and N_GPUS=1
     n_gpus: int = 1  # GPUs to use (N_GPUS)
     rollout_tp_size: int = 1  # tensor-parallel size of the vLLM engine (ROLLOUT_TP_SIZE)
     gamma: float = 1.0  # GAE discount per LLM token
@@ -210,6 +212,9 @@ class Config:
         if self.ppo_batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide ppo_batch_size={self.ppo_batch_size}: "
                              "each minibatch splits into whole micro-batches")
+        if self.share_prefix and (self.gcp or self.n_gpus > 1):   # checkpointed layers keep no keys and values; DDP wraps the trunk
+            raise ValueError(f"share_prefix=True runs the shared prompt start once and reuses its keys and values, which needs GCP=False "
+                             f"and N_GPUS=1 (gcp={self.gcp}, n_gpus={self.n_gpus}): set those, or SHARE_PREFIX=False")
         if self.n_gpus % self.rollout_tp_size:
             raise ValueError(f"rollout_tp_size={self.rollout_tp_size} must divide n_gpus={self.n_gpus}")
         if self.val_samples > 1 and self.val_temperature == 0:
@@ -327,20 +332,35 @@ def token_stats(logits: torch.Tensor,  # (B, K, V) logits at K positions
         if entropy: entropies.append(norm - (z.softmax(-1) * z).sum(-1))
     return torch.cat(logprobs, 1), (torch.cat(entropies, 1) if entropy else None)
 
-def llm_forward(model: nn.Module, b: Batch, temperature: float = 1.0, entropy: bool = False, hidden: bool = False) -> tuple:
-    "(B, L) logprobs of `b`'s LLM tokens under causal LM `model`, the (B, L) entropies they were drawn from (if `entropy`), both 0 off the loss mask, and the final hidden states (if `hidden`). The LM head and softmax run only where an LLM token is predicted."
+def shared_prefix_length(b: Batch) -> int:
+    "Length of the longest prefix that every row of `b` shares and that predicts no LLM token."
+    same = (b.input_ids == b.input_ids[:1]).all(0).long()            # column j equal in every row
+    first_llm = int(b.loss_mask.argmax(-1).min())                       # the earliest LLM token of any row
+    return min(int(same.cumprod(0).sum()), first_llm - 1)
+
+def prefix_cache(model: nn.Module, b: Batch, n: int):
+    "The keys and values of the first `n` tokens of `b`, which every row shares, run once through causal LM `model`'s trunk and repeated for each row."
+    cache = model.get_decoder()(input_ids=b.input_ids[:1, :n], position_ids=b.position_ids[:1, :n], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(b))
+    return cache
+
+def llm_forward(model: nn.Module, b: Batch, temperature: float = 1.0, entropy: bool = False, hidden: bool = False,
+                share_prefix: bool = False) -> tuple:
+    "(B, L) logprobs of `b`'s LLM tokens under causal LM `model`, the (B, L) entropies they were drawn from (if `entropy`), both 0 off the loss mask, and the final hidden states (if `hidden`). The LM head and softmax run only where an LLM token is predicted; with `share_prefix` (and no `hidden`), the prompt start every row shares runs once."
     keep = b.loss_mask.bool().any(0).nonzero().flatten() - 1   # the hidden state at t − 1 predicts token t; LLM tokens follow a prompt
-    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False,
-                output_hidden_states=hidden, logits_to_keep=keep)
+    n = shared_prefix_length(b) if share_prefix and not hidden else 0
+    cache = prefix_cache(model, b, n) if n > 0 else None
+    out = model(input_ids=b.input_ids[:, n:], attention_mask=b.attention_mask, position_ids=b.position_ids[:, n:],
+                past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=keep - n)
     lp, h = token_stats(out.logits, b.input_ids[:, keep + 1], temperature, entropy)
     def spread(x): return torch.zeros(b.loss_mask.shape, dtype=x.dtype, device=x.device).index_copy(1, keep + 1, x) * b.loss_mask
     return spread(lp), (spread(h) if entropy else None), (out.hidden_states[-1] if hidden else None)
 
 def policy_and_values(actor: nn.Module, critic: ValueModel | None, b: Batch, temperature: float = 1.0,
-                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                      entropy: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     "`llm_forward`'s (B, L) logprobs and entropies of the LLM tokens under `actor`, and (B, L) values (0 on padding; None without a critic); one trunk pass for a shared critic, whose loss stops at the head."
     shared = critic is not None and extract_model_from_parallel(critic).shared   # models wrapped by accelerate keep their attributes inside
-    logprobs, entropies, hidden = llm_forward(actor, b, temperature, entropy, hidden=shared)
+    logprobs, entropies, hidden = llm_forward(actor, b, temperature, entropy, hidden=shared, share_prefix=share_prefix)
     values = None if critic is None else critic(hidden=hidden.detach()) * b.attention_mask if shared else forward_values(critic, b)
     return logprobs, entropies, values
 
@@ -378,11 +398,11 @@ def is_lora(model: nn.Module) -> bool:
     "True when `model` (possibly wrapped by accelerate for several processes) carries peft LoRA adapters (`Config.lora_rank > 0`)."
     return isinstance(extract_model_from_parallel(model), PeftModel)
 
-def _reference_logprobs(actor, ref, mb: Batch, temperature: float) -> torch.Tensor:
+def _reference_logprobs(actor, ref, mb: Batch, temperature: float, share_prefix: bool = False) -> torch.Tensor:
     "Logprobs of `mb` under `ref`, or, without one, under a LoRA `actor` with its adapters switched off: the base model."
-    if ref is not None: return llm_forward(ref, mb, temperature)[0]
+    if ref is not None: return llm_forward(ref, mb, temperature, share_prefix=share_prefix)[0]
     actor = extract_model_from_parallel(actor)
-    with actor.disable_adapter(): return llm_forward(actor, mb, temperature)[0]
+    with actor.disable_adapter(): return llm_forward(actor, mb, temperature, share_prefix=share_prefix)[0]
 
 @torch.no_grad()
 def _score(actor, critic, ref, b: Batch, cfg: Config) -> tuple:
@@ -396,10 +416,10 @@ def _score(actor, critic, ref, b: Batch, cfg: Config) -> tuple:
     for rows in torch.arange(len(b)).split(cfg.micro_batch_size):
         mb = _trimmed(b[rows]); n = mb.input_ids.shape[1]
         if recompute or values is not None:
-            logprobs, _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False)
+            logprobs, _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False, share_prefix=cfg.share_prefix)
             if recompute: old[rows, :n] = logprobs
             if values is not None: values[rows, :n] = v
-        if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg.temperature)
+        if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg.temperature, cfg.share_prefix)
     return old, values, refs
 
 def _advantages(rewards: torch.Tensor, values: torch.Tensor | None, b: Batch, trajs: list[Trajectory], cfg: Config,
@@ -488,6 +508,8 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
              accelerator=None,  # an `accelerate.Accelerator` that prepared actor, critic and optimizers (several processes)
             ) -> dict[str, float]:
     "One PPO iteration on `trajs`: `score_batch`, then minibatch updates of the actor (and critic); returns the `METRICS` that apply."
+    g = cfg.group_size   # minibatches of whole room groups, each room's rows side by side: a micro-batch shares their prompt
+    if len(trajs) % g: raise ValueError(f"{len(trajs)} trajectories are not whole room groups of group_size={g}")
     b, out = score_batch(trajs, actor, critic, cfg, pad_id, ref, accelerator)
     logs = defaultdict(list)
     shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -495,7 +517,8 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
     for m in models: m.train()
     try:
         for _ in range(cfg.num_update_per_roll):
-            for minibatch in torch.randperm(len(b), generator=shuffle).split(cfg.ppo_batch_size):
+            rows = (torch.randperm(len(b) // g, generator=shuffle)[:, None] * g + torch.arange(g)).flatten()
+            for minibatch in rows.split(cfg.ppo_batch_size):
                 for k, v in _update(actor, critic, actor_opt, critic_opt, b[minibatch], cfg, step, accelerator).items():
                     logs[k].append(v)
     finally:
@@ -515,7 +538,7 @@ def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: i
         mb = _trimmed(b[rows])
         share = mb.loss_mask.sum() / mine   # of this process's tokens: weights the logged means
         weight = share if everyone is None else mb.loss_mask.sum() * world / everyone   # DDP averages gradients: × world undoes it
-        logprobs, entropies, new_values = policy_and_values(actor, critic, mb, cfg.temperature)
+        logprobs, entropies, new_values = policy_and_values(actor, critic, mb, cfg.temperature, share_prefix=cfg.share_prefix)
         pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                         cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip or None)
         entropy = masked_mean(entropies, mb.loss_mask)

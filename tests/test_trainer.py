@@ -93,6 +93,8 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['LOG_MODE=tensorboard'], 'log_mode'),
     (['RECOMPUTE_OLD_LOGPROBS=False'], 'ROLLOUT_ENGINE=hf'),           # 'auto' may sample with vLLM, whose logprobs differ
     (['RECOMPUTE_OLD_LOGPROBS=False', 'ROLLOUT_ENGINE=vllm'], 'recompute_old_logprobs'),
+    (['SHARE_PREFIX=True'], 'GCP=False'),                                  # checkpointed layers keep no keys and values
+    (['SHARE_PREFIX=True', 'GCP=False', 'N_GPUS=2'], 'N_GPUS=1'),
 ])
 def test_bad_settings_name_the_setting(args, name):
     with pytest.raises(ValueError, match=name): Config.from_args(args)
@@ -751,6 +753,66 @@ def test_lora_trains_only_the_adapters_and_its_reference_is_the_base(tok):
     torch.testing.assert_close(off, base_lp)                                  # the frozen base is untouched
     assert (after - base_lp).abs().max() > 1e-4                              # and the adapters learned
     torch.testing.assert_close(merged, after, atol=1e-5, rtol=1e-5)          # merging does not change the policy
+
+
+def sgd_step(tok, trajs, actor, critic, cfg):
+    "The change of every trainable weight after one `ppo_step` with plain SGD (lr 1), whose step is the gradient itself."
+    params = [p for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad]
+    before = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0) if m is not None else None for m in (actor, critic)]
+    metrics = ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=1)
+    return torch.nn.utils.parameters_to_vector(params).detach() - before, metrics
+
+
+@pytest.mark.parametrize('estimator, critic_kind', [('grpo', None), ('gae', 'separate'), ('gae', 'shared')])
+def test_share_prefix_gives_the_plain_update_with_lora(tok, estimator, critic_kind):
+    "SHARE_PREFIX=True on LoRA actors (PEFT wraps the trunk): the same weight change and metrics, with or without a critic; a shared critic reads every hidden state, so its pass is the plain one."
+    trajs = two_rooms(tok)
+    changes = []
+    for share in (False, True):
+        cfg = cfg_for(4, ADV_ESTIMATOR=estimator, GROUP_SIZE=2, MICRO_BATCH_SIZE=2, LORA_RANK=4, GCP=False, SHARE_PREFIX=share,
+                      **({'CRITIC': critic_kind} if critic_kind else {}))
+        _, actor, critic = lora_pair(tok, cfg)
+        if critic_kind is None: critic = None
+        elif critic_kind == 'shared': critic = ValueModel.on_actor(actor)
+        with torch.no_grad():                                                  # LoRA's B starts at 0: give the adapters a say
+            for n, p in actor.named_parameters():
+                if 'lora_B' in n: p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        changes.append(sgd_step(tok, trajs, actor, critic, cfg))
+    (plain, plain_metrics), (shared, shared_metrics) = changes
+    assert plain.abs().max() > 1e-3                                            # the step moved the adapters
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-4)
+    assert plain_metrics.keys() == shared_metrics.keys()
+    for k in plain_metrics: assert shared_metrics[k] == pytest.approx(plain_metrics[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+
+
+def test_minibatches_are_whole_room_groups(tok, monkeypatch):
+    "GROUP_SIZE=2, minibatches of 2 rows: each is one room's two rollouts, whatever the shuffle; GROUP_SIZE=1 keeps the row shuffle."
+    seen = []
+    real = trainer._update
+    def spy_update(actor, critic, actor_opt, critic_opt, b, *args):
+        seen.append(b.input_ids[:, :b.loss_mask.argmax(-1).min()].tolist()); return real(actor, critic, actor_opt, critic_opt, b, *args)
+    monkeypatch.setattr(trainer, '_update', spy_update)
+    rooms = ['Room A: push the box up.', 'Room B: the box is by the wall.', 'Room C: push left twice.']
+    trajs = []
+    for k, room in enumerate(rooms):
+        for answer, reward in (('Up', 1.), ('Down', -1.)):
+            t = Trajectory(seed=k).add(tok.encode(room), PROMPT, 0).add(tok.encode(f'<answer>{answer}</answer>'), LLM, 1)
+            t.rewards, t.success = [reward], reward > 0
+            trajs.append(t)
+    for seed in range(3):
+        seen.clear()
+        cfg = cfg_for(6, ADV_ESTIMATOR='grpo', GROUP_SIZE=2, PPO_BATCH_SIZE=2, MICRO_BATCH_SIZE=2, SEED=seed)
+        actor = tiny_model(tok)
+        ppo_step(trajs, actor, None, *make_optimizers(actor, None, cfg), cfg, tok.pad_token_id, step=1)
+        assert len(seen) == 3 and all(rows[0] == rows[1] for rows in seen)     # two rows of one prompt
+        assert sorted(rows[0] for rows in seen) == sorted(tok.encode(r) for r in rooms)
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(1 * 1_000_003 + 1))
+    seen.clear()
+    cfg = cfg_for(6, PPO_BATCH_SIZE=1, MICRO_BATCH_SIZE=1, SEED=1, CRITIC='shared')
+    actor = tiny_model(tok); critic = ValueModel.on_actor(actor)
+    ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id, step=1)
+    assert [rows[0] for rows in seen] == [trajs[i].ids[:len(rows[0])] for i, rows in zip(order.tolist(), seen)]
 
 
 def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp_path):
