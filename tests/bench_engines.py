@@ -1,16 +1,17 @@
 """Benchmark, not a test: rollout tokens/s of HF `generate` against the vLLM engine, on the same model and prompts.
 
-    .venv/bin/python tests/bench_engines.py [--sizes 32 128] [--tokens 64] [--engines hf vllm-eager vllm-compiled]
+    .venv/bin/python tests/bench_engines.py [--sizes 32 128] [--tokens 64] [--engines hf hf-plain vllm-eager vllm-compiled]
 
 The embedded SmolLM2-135M in fp32, real first Sokoban prompts (notebook 01's `render_prompt`), T = 1, top_p = 1, no
-stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned.
+stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned. `hf` runs the
+prompt start that every prompt shares once (the default); `hf-plain` is `HFEngine(share_prefix=False)`, plain left padding.
 Each engine runs in a fresh process of its own, one after another: vLLM's CPU threads spin and would slow anything
 beside them, and an eager and a compiled engine do not fit in one process's memory here. `vllm-compiled` compiles with
 torch.compile first (minutes on a CPU); its start-up time is printed. `--seeded` gives every request a seed, as the
 trainer does; vLLM then samples each seeded request with its own generator. Run it on an otherwise idle machine."""
 import argparse, json, subprocess, sys, time
 
-ENGINES = ('hf', 'vllm-eager', 'vllm-compiled')
+ENGINES = ('hf', 'hf-plain', 'vllm-eager', 'vllm-compiled')
 
 def measure(engine_name: str, sizes: list[int], tokens: int, seeded: bool) -> dict:
     "Start one engine, warm it up, and time one `generate` call per size; also time a weight sync for vLLM."
@@ -23,7 +24,7 @@ def measure(engine_name: str, sizes: list[int], tokens: int, seeded: bool) -> di
     env = SokobanEnv(EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30))
     prompts = [tok.encode(render_prompt(tok, env.reset(seed=s)), add_special_tokens=False) for s in range(max(sizes))]
     start = time.perf_counter()
-    if engine_name == 'hf': engine = HFEngine(actor, tok)
+    if engine_name.startswith('hf'): engine = HFEngine(actor, tok, share_prefix=engine_name == 'hf')
     else:
         from ragen_nb.engines import VLLMEngine
         engine = VLLMEngine(resolve(EMBEDDED), tok, dtype='float32', enforce_eager=engine_name == 'vllm-eager', max_model_len=2048)
@@ -36,7 +37,7 @@ def measure(engine_name: str, sizes: list[int], tokens: int, seeded: bool) -> di
         seconds = time.perf_counter() - start
         result['rows'].append(dict(prompts=n, tokens=sum(len(ids) for ids, _ in outs), seconds=seconds))
         print(f'  {engine_name} on {n} prompts: {result["rows"][-1]["tokens"]} tokens in {seconds:.1f} s', file=sys.stderr, flush=True)
-    if engine_name != 'hf': result['sync_s'] = engine.sync(actor)
+    if not engine_name.startswith('hf'): result['sync_s'] = engine.sync(actor)
     return result
 
 def main():

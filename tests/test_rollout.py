@@ -166,6 +166,25 @@ def test_engine_greedy_does_not_depend_on_the_batch(tok):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(alone_lps), atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(lps), manual_logprobs(tiny(), prompt, ids, 1.0), atol=1e-4, rtol=0)
 
+def test_engine_shared_prefix_gives_the_plain_answers(tok):
+    "Running the shared prompt start once (the default) against plain left padding: a LoRA model with live adapters, real Sokoban contexts of two turns, greedy and seeded sampling, and a row that is another's start."
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model(tok), LoraConfig(r=4, target_modules='all-linear', init_lora_weights=False)).eval()
+    cfg = RolloutConfig(max_turns=2, max_response_length=8)
+    rooms = [3, 4, 3, 5]
+    shared, plain = HFEngine(model, tok), HFEngine(model, tok, share_prefix=False)
+    a, b = (rollout(e, tok, rooms, SETTINGS, cfg, seed=2) for e in (shared, plain))
+    assert [t.ids for t in a] == [t.ids for t in b] and max(map(len, a)) > min(map(len, a))
+    torch.testing.assert_close(torch.tensor([l for t in a for l in t.logprobs]), torch.tensor([l for t in b for l in t.logprobs]),
+                               atol=1e-5, rtol=0)
+    contexts = [t.ids for t in a] + [a[0].ids[:100]]
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=4)):
+        x, y = shared.generate(contexts, 6, stop_at_answer=False, **kw), plain.generate(contexts, 6, stop_at_answer=False, **kw)
+        assert [ids for ids, _ in x] == [ids for ids, _ in y]
+        torch.testing.assert_close(torch.tensor([l for _, lps in x for l in lps]), torch.tensor([l for _, lps in y for l in lps]),
+                                   atol=1e-5, rtol=0)
+
 def test_engine_top_p_samples_inside_the_nucleus(tok):
     "One token from 300 copies of a prompt: with top_p=0.5 every sample lies in the nucleus; with top_p=1 many do not."
     model, prompt = tiny(), encode('The room:')
