@@ -7,7 +7,7 @@ from ragen_nb.tokens import LLM, ENV
 from ragen_nb.sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text, solve
 from ragen_nb.data import coordinates_line, render_prompt, first_message, followup_text, observation_message, question
 from ragen_nb.rollout import (parse_action, truncate_after_answer, HFEngine, ScriptedEngine, RolloutConfig, rollout,
-                              env_reply, CUT_MARKER, CLOSE)
+                              env_reply, common_prefix_length, CUT_MARKER, CLOSE)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 
@@ -179,6 +179,7 @@ def test_engine_shared_prefix_gives_the_plain_answers(tok):
     torch.testing.assert_close(torch.tensor([l for t in a for l in t.logprobs]), torch.tensor([l for t in b for l in t.logprobs]),
                                atol=1e-5, rtol=0)
     contexts = [t.ids for t in a] + [a[0].ids[:100]]
+    assert common_prefix_length(contexts) > 50   # the shared path runs: the rooms' prompts share their start
     for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=4)):
         x, y = shared.generate(contexts, 6, stop_at_answer=False, **kw), plain.generate(contexts, 6, stop_at_answer=False, **kw)
         assert [ids for ids, _ in x] == [ids for ids, _ in y]
