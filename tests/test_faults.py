@@ -139,7 +139,9 @@ class Runner:
             else: marks.append(line)
             due = due or line == kill_at or (kill_at == 'pid' and line.startswith('pid '))
             if due and pid is not None and kill_at is not None:
-                time.sleep(delay); os.kill(pid, signal.SIGKILL); kill_at = None
+                time.sleep(delay); kill_at = None
+                try: os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError: pass   # the run ended during the delay: its exit line follows
 
     def close(self):
         self.proc.stdin.close(); self.proc.wait(timeout=60); self.log.close()
