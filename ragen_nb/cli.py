@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         e.add_argument(f'--{name}', type=int, default=None, help=f'room setting (default: ${env}, else EnvSettings\'s)')
     sub.add_parser('train', add_help=False, help='PPO on Sokoban; KEY=value settings, listed by `ragen_nb train --help`')
     sub.add_parser('train-cpu', add_help=False, help='the main job: `train` with MAIN_JOB settings, sized for a laptop CPU '
-                   '(20 MaxRL steps and an eval on 200 rooms: about 30 minutes on 2 cores); KEY=value settings override them')
+                   '(30 MaxRL steps and an eval on 200 rooms: about 40 minutes on 2 cores); KEY=value settings override them')
     sub.add_parser('sft', add_help=False, help='supervised fine-tuning on BFS demonstrations (13); KEY=value settings, '
                    'listed by `ragen_nb sft --help`; its checkpoints start `train` with BASE_MODEL=<checkpoint>')
     return p
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 MAIN_JOB = ['EXPERIMENT_NAME=cpu-smollm2-135m', 'SEARCH_DEPTH=4', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=8',
             'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
             'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0', 'RECOMPUTE_OLD_LOGPROBS=False', 'MEASURE_KL_REF=False',
-            'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=10', 'TOTAL_STEPS=20', 'SAVE_FREQ=10', 'ROLLOUT_ENGINE=hf',
+            'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=10', 'TOTAL_STEPS=30', 'SAVE_FREQ=10', 'ROLLOUT_ENGINE=hf',
             'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=10', 'LOG_N_IMAGE_PER_BATCH=2']
 
 def main_job_eval(argv: list[str], n: int = 200, samples: int = 2) -> int:
