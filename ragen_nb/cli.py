@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         e.add_argument(f'--{name}', type=int, default=None, help=f'room setting (default: ${env}, else EnvSettings\'s)')
     sub.add_parser('train', add_help=False, help='PPO on Sokoban; KEY=value settings, listed by `ragen_nb train --help`')
     sub.add_parser('train-cpu', add_help=False, help='the main job: `train` with MAIN_JOB settings, sized for a laptop CPU '
-                   '(30 MaxRL steps and an eval on 200 rooms: about 40 minutes on 2 cores); KEY=value settings override them')
+                   '(30 MaxRL steps and an eval on 200 rooms: 32-35 minutes on 2 cores, measured in nbs/14_experiments); KEY=value settings override them')
     sub.add_parser('sft', add_help=False, help='supervised fine-tuning on BFS demonstrations (13); KEY=value settings, '
                    'listed by `ragen_nb sft --help`; its checkpoints start `train` with BASE_MODEL=<checkpoint>')
     return p
