@@ -7,7 +7,7 @@ __all__ = ['WALL', 'FLOOR', 'TARGET', 'BOX_ON_TARGET', 'BOX', 'PLAYER', 'PLAYER_
            'MAX_EXPLORED', 'MAX_ATTEMPTS', 'EnvSettings', 'derived_seed', 'generate_room', 'render_text',
            'room_from_text', 'render_rgb', 'SokobanEnv', 'solve']
 
-# %% ../nbs/00_sokoban.ipynb #4c0f3b5e
+# %% ../nbs/00_sokoban.ipynb #2e3427d2
 import contextlib, dataclasses, functools, hashlib, importlib.resources, io, os, random, warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,20 +16,20 @@ import imageio.v2 as imageio
 import numpy as np
 from fastcore.basics import patch
 
-# %% ../nbs/00_sokoban.ipynb #a6824e14
+# %% ../nbs/00_sokoban.ipynb #4999ac1e
 with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter('ignore')
     from gym_sokoban.envs.room_utils import (box_displacement_score, place_boxes_and_player, reverse_move,
                                              room_topology_generation)
 
-# %% ../nbs/00_sokoban.ipynb #4749f27c
+# %% ../nbs/00_sokoban.ipynb #18773755
 WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER = range(6)
 PLAYER_ON_TARGET = 6  # only in the text and image, never in room_state
 SYMBOLS = {WALL: '#', FLOOR: '_', TARGET: 'O', BOX_ON_TARGET: '√', BOX: 'X', PLAYER: 'P', PLAYER_ON_TARGET: 'S'}
 ACTIONS = {1: 'Up', 2: 'Down', 3: 'Left', 4: 'Right'}
 MOVES = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}  # (row, column) change of each action
 
-# %% ../nbs/00_sokoban.ipynb #eeeece04
+# %% ../nbs/00_sokoban.ipynb #68a7c65c
 @dataclass
 class EnvSettings:
     "Room size, number of boxes, episode length and generator search depth (RAGEN's env variables)."
@@ -71,7 +71,7 @@ class EnvSettings:
                              'reverse-play search first pulls a box off its target')
         return self
 
-# %% ../nbs/00_sokoban.ipynb #409f204a
+# %% ../nbs/00_sokoban.ipynb #8ce3cb18
 MAX_EXPLORED = 300_000  # gym-sokoban's cap on states per search
 
 def _reverse_play(room_state: np.ndarray, room_fixed: np.ndarray, search_depth: int) -> tuple[np.ndarray, int]:
@@ -96,7 +96,7 @@ def _reverse_play(room_state: np.ndarray, room_fixed: np.ndarray, search_depth: 
     search(room_state, {t: t for t in targets}, 0, search_depth)
     return best[1], best[0]
 
-# %% ../nbs/00_sokoban.ipynb #840c7a02
+# %% ../nbs/00_sokoban.ipynb #b52b1fa1
 def _attempt(settings: EnvSettings) -> tuple[np.ndarray, np.ndarray]:
     "One gym-sokoban `generate_room` with our search; raises RuntimeError/RuntimeWarning like it when no room comes out."
     dim = (settings.dim_x, settings.dim_y)
@@ -109,7 +109,7 @@ def _attempt(settings: EnvSettings) -> tuple[np.ndarray, np.ndarray]:
         if score > 0: return room_fixed, np.where(room_state == BOX_ON_TARGET, BOX, room_state)
     raise RuntimeWarning('Generated Model with score == 0')
 
-# %% ../nbs/00_sokoban.ipynb #9d7303eb
+# %% ../nbs/00_sokoban.ipynb #2bcb0258
 MAX_ATTEMPTS = 30  # seeds tried per room before giving up (search_depth=3 fails ~2 attempts in 3)
 
 @contextlib.contextmanager
@@ -134,7 +134,7 @@ def _check_seed(seed) -> int:
         raise ValueError(f'seed must be an integer with 0 <= seed < 2**32, got {seed!r}')
     return int(seed)
 
-# %% ../nbs/00_sokoban.ipynb #35ce1dec
+# %% ../nbs/00_sokoban.ipynb #9dc70c48
 def generate_room(settings: EnvSettings | None = None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     "`(room_fixed, room_state)` for `seed`: the same in any process, global random state untouched."
     settings = (settings or EnvSettings.from_env()).validate()
@@ -148,7 +148,7 @@ def generate_room(settings: EnvSettings | None = None, seed: int = 0) -> tuple[n
         f'{settings.search_depth} from seed {seed} in {MAX_ATTEMPTS} attempts (last: {failures[-1]}); '
         'use fewer boxes, a bigger room or a larger search_depth')
 
-# %% ../nbs/00_sokoban.ipynb #7740cee3
+# %% ../nbs/00_sokoban.ipynb #d1ec4c33
 def render_text(room_fixed: np.ndarray, room_state: np.ndarray) -> str:
     "The room as text: one symbol per cell, rows joined by newlines."
     cells = np.where((room_state == PLAYER) & (room_fixed == TARGET), PLAYER_ON_TARGET, room_state)
@@ -166,7 +166,7 @@ def room_from_text(text: str) -> tuple[np.ndarray, np.ndarray]:
     room_fixed = np.select([np.isin(cells, (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET)), cells == WALL], [TARGET, WALL], FLOOR)
     return room_fixed, room_state
 
-# %% ../nbs/00_sokoban.ipynb #734e9961
+# %% ../nbs/00_sokoban.ipynb #12351a4e
 @functools.cache
 def _tiles() -> np.ndarray:
     "gym-sokoban's 16x16 RGB tiles, indexed by cell code (6: player on target)."
@@ -180,7 +180,7 @@ def render_rgb(room_fixed: np.ndarray, room_state: np.ndarray) -> np.ndarray:
     h, w = cells.shape
     return _tiles()[cells].transpose(0, 2, 1, 3, 4).reshape(h * 16, w * 16, 3)
 
-# %% ../nbs/00_sokoban.ipynb #ed3dc5a4
+# %% ../nbs/00_sokoban.ipynb #4b288965
 def _check_room(room_fixed: np.ndarray, room_state: np.ndarray) -> None:
     "Raise ValueError unless the two arrays form a playable room."
     if room_fixed.shape != room_state.shape or room_fixed.ndim != 2:
@@ -194,7 +194,7 @@ def _check_room(room_fixed: np.ndarray, room_state: np.ndarray) -> None:
     mismatch = np.where(room_state == PLAYER, room_fixed == WALL, expected != room_fixed)
     if mismatch.any(): raise ValueError(f'room_state disagrees with room_fixed at {np.argwhere(mismatch).tolist()}')
 
-# %% ../nbs/00_sokoban.ipynb #73ecd152
+# %% ../nbs/00_sokoban.ipynb #67234435
 class SokobanEnv:
     "Text Sokoban on gym-sokoban rooms, with gym-sokoban's push rules and rewards."
     def __init__(self, settings: EnvSettings | None = None, **overrides):
@@ -226,7 +226,7 @@ class SokobanEnv:
         "The room as an (H, W, 3) uint8 image of gym-sokoban's 16-pixel tiles."
         return render_rgb(self.room_fixed, self.room_state)
 
-# %% ../nbs/00_sokoban.ipynb #987b7fa7
+# %% ../nbs/00_sokoban.ipynb #01549526
 def _push_or_walk(room_fixed: np.ndarray, room_state: np.ndarray, action: int) -> None:
     "Apply a push action in place: push a box if one is ahead with free space beyond it, else walk if the cell ahead is free."
     (r, c), (dr, dc) = np.argwhere(room_state == PLAYER)[0], MOVES[action]
@@ -236,7 +236,7 @@ def _push_or_walk(room_fixed: np.ndarray, room_state: np.ndarray, action: int) -
     elif room_state[ahead] not in (FLOOR, TARGET): return
     room_state[r, c], room_state[ahead] = room_fixed[r, c], PLAYER
 
-# %% ../nbs/00_sokoban.ipynb #7328359c
+# %% ../nbs/00_sokoban.ipynb #bd645344
 @patch
 def step(self: SokobanEnv, action: int) -> tuple[str, float, bool, dict]:
     "Apply `action` (1 Up, 2 Down, 3 Left, 4 Right): `(observation, reward, done, info)`."
@@ -257,7 +257,7 @@ def step(self: SokobanEnv, action: int) -> tuple[str, float, bool, dict]:
     info = {'success': bool(success), 'action_is_effective': not np.array_equal(before, self.room_state)}
     return self.render_text(), reward, self.done, info
 
-# %% ../nbs/00_sokoban.ipynb #162650c7
+# %% ../nbs/00_sokoban.ipynb #17124743
 def solve(room_fixed: np.ndarray, room_state: np.ndarray, max_depth: int = 100) -> list[int] | None:
     "A shortest action list that covers every target with a box, or None if none within `max_depth` actions."
     room_fixed, room_state = np.asarray(room_fixed), np.asarray(room_state)

@@ -5,16 +5,16 @@
 # %% auto #0
 __all__ = ['PROMPT', 'LLM', 'ENV', 'SOURCE_NAMES', 'COLOURS', 'PART', 'Trajectory', 'token_pieces', 'show_tokens']
 
-# %% ../nbs/03_tokens.ipynb #266363da
+# %% ../nbs/03_tokens.ipynb #981e7fe2
 import html
 from dataclasses import dataclass, field
 from IPython.display import HTML
 
-# %% ../nbs/03_tokens.ipynb #e7f18031
+# %% ../nbs/03_tokens.ipynb #286b5275
 PROMPT, LLM, ENV = 0, 1, 2
 SOURCE_NAMES = ('prompt', 'LLM', 'env')
 
-# %% ../nbs/03_tokens.ipynb #4f08b997
+# %% ../nbs/03_tokens.ipynb #3f2f706a
 @dataclass
 class Trajectory:
     "One episode as the token ids the model saw, with each token's source, turn and sampler logprob, and per-turn results."
@@ -66,7 +66,7 @@ class Trajectory:
         return (f'Trajectory(seed={self.seed}, {len(self)} tokens: {counts}; {len(self.actions)} turns, '
                 f'actions={self.actions}, rewards={[round(r, 3) for r in self.rewards]}, success={self.success})')
 
-# %% ../nbs/03_tokens.ipynb #c3147468
+# %% ../nbs/03_tokens.ipynb #bbca76cf
 def token_pieces(ids: list[int], tokenizer) -> list[str]:
     "The text of each token, joining to `tokenizer.decode(ids)` for valid text; a character split over tokens is on the one completing it ('' before)."
     pieces, context, start = [], 0, 0              # ids[context:start] were written (they give context); ids[start:] wait
@@ -78,7 +78,7 @@ def token_pieces(ids: list[int], tokenizer) -> list[str]:
         context, start = start, k + 1
     return pieces
 
-# %% ../nbs/03_tokens.ipynb #97e53564
+# %% ../nbs/03_tokens.ipynb #3d684d80
 COLOURS = {PROMPT: '#d9d9d9', LLM: '#f4a6a6', ENV: '#a9c8f2'}
 PART = 'part of a character that a later token completes'
 

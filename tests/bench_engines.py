@@ -2,9 +2,10 @@
 
     .venv/bin/python tests/bench_engines.py [--sizes 32 128] [--tokens 64] [--engines hf hf-plain vllm-eager vllm-compiled]
 
-The embedded SmolLM2-135M in fp32, real first Sokoban prompts (notebook 01's `render_prompt`), T = 1, top_p = 1, no
-stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned. `hf` runs the
-prompt start that every prompt shares once (the default); `hf-plain` is `HFEngine(share_prefix=False)`, plain left padding.
+The embedded SmolLM2-135M in fp32, real first Sokoban prompts (notebook 02's `render_prompt`), T = 1, top_p = 1, no
+stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned. `hf` is
+`SharedPrefixEngine` (12), which runs the prompt start that every prompt shares once (the trainer's and `ragen_nb eval`'s
+HF engine); `hf-plain` is `HFEngine` (04), plain left padding.
 Each engine runs in a fresh process of its own, one after another: vLLM's CPU threads spin and would slow anything
 beside them, and an eager and a compiled engine do not fit in one process's memory here. `vllm-compiled` compiles with
 torch.compile first (minutes on a CPU); its start-up time is printed. `--seeded` gives every request a seed, as the
@@ -20,11 +21,12 @@ def measure(engine_name: str, sizes: list[int], tokens: int, seeded: bool) -> di
     from ragen_nb.sokoban import SokobanEnv, EnvSettings
     from ragen_nb.data import render_prompt
     from ragen_nb.rollout import HFEngine
+    from ragen_nb.engines import SharedPrefixEngine
     tok, actor = load_tokenizer(), load_model()
     env = SokobanEnv(EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30))
     prompts = [tok.encode(render_prompt(tok, env.reset(seed=s)), add_special_tokens=False) for s in range(max(sizes))]
     start = time.perf_counter()
-    if engine_name.startswith('hf'): engine = HFEngine(actor, tok, share_prefix=engine_name == 'hf')
+    if engine_name.startswith('hf'): engine = (SharedPrefixEngine if engine_name == 'hf' else HFEngine)(actor, tok)
     else:
         from ragen_nb.engines import VLLMEngine
         engine = VLLMEngine(resolve(EMBEDDED), tok, dtype='float32', enforce_eager=engine_name == 'vllm-eager', max_model_len=2048)

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench_eval.py [--rooms 200] [--chunks 200 32 8] [--temperature 0] [--samples 1] [--json PATH]
 
-The embedded SmolLM2-135M on the CPU with HF `generate`, the main job's rooms (SEARCH_DEPTH=4, 2 turns), answers of at
+The embedded SmolLM2-135M on the CPU with HF `generate` (`SharedPrefixEngine`, as `ragen_nb eval`), the main job's rooms (SEARCH_DEPTH=4, 2 turns), answers of at
 most 24 tokens. `--chunks 200` with 200 rooms is what `rollout` does alone: every room in one batch. Each chunk size
 runs in a fresh process, so its peak RSS (ru_maxrss) is its own; loading the model is timed apart from playing. On a
 shared machine wall time depends on the other load; CPU seconds (user + system) of the playing process depend less on it."""
@@ -14,12 +14,13 @@ def measure(rooms: int, chunk: int, temperature: float, samples: int) -> dict:
     start = time.perf_counter()
     from ragen_nb.evaluate import heldout_seeds, play, trajectory_metrics
     from ragen_nb.models import load_model, load_tokenizer
-    from ragen_nb.rollout import HFEngine, RolloutConfig
+    from ragen_nb.engines import SharedPrefixEngine
+    from ragen_nb.rollout import RolloutConfig
     from ragen_nb.sokoban import EnvSettings
     tok, model = load_tokenizer(), load_model()
     loaded, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     cfg = RolloutConfig(max_turns=2, max_response_length=24, temperature=temperature)
-    trajs = play(HFEngine(model, tok), tok, heldout_seeds(rooms), EnvSettings(search_depth=4), cfg, samples, chunk,
+    trajs = play(SharedPrefixEngine(model, tok), tok, heldout_seeds(rooms), EnvSettings(search_depth=4), cfg, samples, chunk,
                  progress=False)
     played, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     m = trajectory_metrics(trajs)

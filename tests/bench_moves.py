@@ -19,14 +19,15 @@ def main():
     args = parser.parse_args()
     from ragen_nb.evaluate import heldout_seeds, move_quality, play, trajectory_metrics
     from ragen_nb.models import load_model, load_tokenizer
-    from ragen_nb.rollout import HFEngine, RolloutConfig
+    from ragen_nb.engines import SharedPrefixEngine
+    from ragen_nb.rollout import RolloutConfig
     from ragen_nb.sokoban import EnvSettings
     start = time.perf_counter()
     settings = EnvSettings(search_depth=args.search_depth)
     cfg = RolloutConfig(max_turns=args.max_turns, max_response_length=args.max_response_length, max_obs_length=160,
                         temperature=0.0)
     tok, model = load_tokenizer(args.model), load_model(args.model)
-    trajs = play(HFEngine(model, tok), tok, heldout_seeds(args.rooms, None, settings), settings, cfg)
+    trajs = play(SharedPrefixEngine(model, tok), tok, heldout_seeds(args.rooms, None, settings), settings, cfg)
     result = dict(model=args.model, rooms=args.rooms, search_depth=args.search_depth, max_turns=args.max_turns,
                   success_rate=trajectory_metrics(trajs)['success_rate'],
                   turns=move_quality(trajs, settings, args.max_turns), seconds=time.perf_counter() - start)

@@ -40,8 +40,9 @@ def main():
     for name in args.engines:
         results[name] = run(name, args.steps, args.settings, out)
         print(f'  {name}: {results[name]["wall"]:.0f} s', file=sys.stderr, flush=True)
+    print(f'runs and logs in {out}', file=sys.stderr)
     print(f'\nmain job settings{" + " + " ".join(args.settings) if args.settings else ""}; median of steps 2-{args.steps} '
-          f'(seconds, except tokens); runs in {out}')
+          f'(seconds, except tokens)')
     print(f"{'engine':11s} {'rollout':>8s} {'update':>7s} {'sync':>6s} {'step':>6s} {'LLM tok':>8s} {'rollout tok/s':>13s} "
           f"{'process s':>9s} {'peak GB':>7s}")
     for name, r in results.items():

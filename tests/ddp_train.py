@@ -6,7 +6,8 @@ import torch
 from accelerate import PartialState
 
 import ragen_nb.trainer as trainer
-from ragen_nb.trainer import Config, train
+from ragen_nb.config import Config
+from ragen_nb.trainer import train
 
 played, real_rollout = [], trainer.rollout
 def recording_rollout(engine, tok, seeds, settings, cfg, seed=None):

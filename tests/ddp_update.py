@@ -6,7 +6,9 @@ import torch
 from accelerate import Accelerator
 
 from ragen_nb.models import load_tokenizer, tiny_model
-from ragen_nb.trainer import Config, ValueModel, ppo_step
+from ragen_nb.config import Config
+from ragen_nb.gae import ValueModel
+from ragen_nb.trainer import ppo_step
 from test_trainer import uneven_batch
 
 out, *args = sys.argv[1:]

@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ragen_nb.advantages import (gae, gae_loop, gae_through_env, outcome_advantages, turn_level_gae, whiten)
+from ragen_nb.advantages import outcome_advantages
+from ragen_nb.gae import gae, gae_loop, gae_through_env, turn_level_gae, whiten
 
 D = torch.float64
 
@@ -44,7 +45,7 @@ def test_gae_loop_and_fast_match_python_reference(seed, gamma, lam, B, L, p):
 
 
 def test_hand_computed_two_rows_with_padding():
-    # row 0: L L E E L L with gamma=0.9, lam=0.8 (worked out in 06); row 1: one LLM token then padding.
+    # row 0: L L E E L L with gamma=0.9, lam=0.8 (worked out in 07); row 1: one LLM token then padding.
     mask = torch.tensor([[1, 1, 0, 0, 1, 1], [0, 1, 0, 0, 0, 0]])
     values = torch.tensor([[.5, .6, 9., 9., .7, .8], [3., 2., 0., 0., 0., 0.]], dtype=D)
     rewards = torch.tensor([[0., 0., 5., 5., 0., 1.], [0., 1.5, 0., 0., 0., 0.]], dtype=D)
@@ -222,4 +223,5 @@ def test_outcome_advantages_edge_cases():
     same = outcome_advantages(torch.tensor([1., 1., 1.]), torch.tensor([5, 5, 5]), mask, 'grpo')
     assert (same == 0).all()                                        # no spread, no signal
     with pytest.raises(ValueError, match="'grpo'"): outcome_advantages(torch.zeros(3), torch.zeros(3), mask, 'ppo')
-    with pytest.raises(ValueError, match='one entry per row'): outcome_advantages(torch.zeros(2), torch.zeros(2), mask)
+    with pytest.raises(ValueError, match='2 scores for 3 rows of mask'): outcome_advantages(torch.zeros(2), torch.zeros(2), mask)
+    with pytest.raises(ValueError, match=r'group_ids \(2,\) differ'): outcome_advantages(torch.zeros(3), torch.zeros(2), mask)

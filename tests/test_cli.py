@@ -1,5 +1,5 @@
 "The `ragen_nb` command: help that helps, and `eval` end to end on a small saved model."
-import json, subprocess, sys
+import json, re, subprocess, sys
 from pathlib import Path
 import pytest
 from ragen_nb.cli import parser
@@ -37,7 +37,16 @@ def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
     r = run('eval', '--model', str(tiny_folder), '--no-base', '--n', '2', '--max_turns', '2', '--max_response_length', '4',
             '--search_depth', '4', '--train_rooms', '5', '--samples', '2', '--json', str(out))
     assert r.returncode == 0, r.stderr
-    header, rule, *rows, footer = r.stdout.strip().splitlines()[-8:]
+    lines = r.stdout.strip().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith('policy '))
+    header, rule, *rows = lines[start:start + 7]
+    # then a blank line, the same rows by shortest solution, a blank line, each model row's moves by turn, and the footer
+    footer, policies = lines[-1], [row.split('  ')[0].strip() for row in rows]
+    assert lines[start + 7] == '' and lines[start + 8].startswith('shortest solution')
+    assert [l.split('  ')[0].strip() for l in lines[start + 10:start + 15]] == policies and lines[start + 15] == ''
+    moves = lines[start + 16:-1]
+    assert [l.split(':')[0] for l in moves if not l.startswith(' ')] == ['model greedy', 'model T=0.5']
+    assert len(moves) == 2 * (1 + 2)                                       # a header and one line per turn, for each model row
     assert header.split()[:6] == ['policy', 'rooms', 'episodes', 'success', '95%', 'interval']
     assert [row.split('  ')[0].strip() for row in rows] == ['model greedy', 'model T=0.5', 'uniform random',
                                                            'best fixed sequence', 'BFS optimum']
@@ -52,6 +61,15 @@ def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
                                                        'best fixed sequence', 'BFS optimum']
     assert saved['rows'][2]['mi'] is None                                    # nan is written as null
     assert saved['rows'][0]['success_low'] == 0.0 and saved['rows'][0]['success_high'] > 0.5   # Wilson on 0 of 2
+    rooms = {k: v['rooms'] for k, v in saved['rows'][-1]['by_length'].items()}
+    assert sum(rooms.values()) == 2 and set(rooms) <= {'1', '2', 'none'}    # every room once, by its shortest solution (2 turns)
+    for row in saved['rows']: assert {k: v['rooms'] for k, v in row['by_length'].items()} == rooms   # the same rooms in every row
+    assert all(v['success_rate'] == float(k != 'none') for k, v in saved['rows'][-1]['by_length'].items())   # BFS solves all it can
+    assert all(v['success_rate'] == 0 for row in saved['rows'][:2] for v in row['by_length'].values())
+    for row, episodes in zip(saved['rows'][:2], (2, 4)):                    # the model's moves, turn by turn: never an action
+        assert [m['turn'] for m in row['moves']] == [1, 2] and all(m['answers'] == episodes for m in row['moves'])
+        assert all(m['optimal'] == m['no_effect'] == 0 and m['no_action'] == (1.0 if m['solvable'] else 0.0) for m in row['moves'])
+    assert not any('moves' in row for row in saved['rows'][2:])              # the baselines have no moves
 
 
 def test_eval_takes_room_settings_from_the_environment(tiny_folder, tmp_path, monkeypatch):
@@ -101,17 +119,25 @@ def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
 
 def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypatch):
     import ragen_nb.cli as cli
-    import ragen_nb.trainer as trainer
+    from ragen_nb.config import Config, RECIPES
     seen, judged, exit_code = [], [], 0
-    monkeypatch.setattr(trainer, 'train_main', lambda argv: seen.append(argv) or exit_code)
-    monkeypatch.setattr(cli, 'main_job_eval', lambda argv: judged.append(argv) or 0)
+    monkeypatch.setattr(cli, 'train_main', lambda argv: seen.append(argv) or exit_code)
+    monkeypatch.setattr(cli, 'recipe_eval', lambda argv: judged.append(argv) or 0)
+    assert not hasattr(cli, 'MAIN_JOB') and not hasattr(cli, 'main_job_eval')   # the main job is a recipe now
     assert cli.main(['train-cpu', 'TOTAL_STEPS=3']) == 0 and cli.main(['train', 'TOTAL_STEPS=3']) == 0
-    assert seen == [cli.MAIN_JOB + ['TOTAL_STEPS=3'], ['TOTAL_STEPS=3']]
-    assert judged == [cli.MAIN_JOB + ['TOTAL_STEPS=3']]                      # train-cpu ends with the eval table; train does not
+    assert seen == [['RECIPE=main-job', 'TOTAL_STEPS=3'], ['TOTAL_STEPS=3']]
+    assert judged == [['RECIPE=main-job', 'TOTAL_STEPS=3']]                 # train-cpu ends with the eval table; train does not
+    assert cli.main(['train-cpu', 'RECIPE=ragen-v1-ppo', 'TOTAL_STEPS=3']) == 0   # another recipe named: nothing prepended
+    assert seen[-1] == judged[-1] == ['RECIPE=ragen-v1-ppo', 'TOTAL_STEPS=3']
     exit_code = 1                                                            # a run stopped on a non-finite step: no eval
-    assert cli.main(['train-cpu']) == 1 and len(judged) == 1
-    cfg = trainer.Config.from_args(seen[0])                                  # valid, and the user's setting wins
+    assert cli.main(['train-cpu']) == 1 and len(judged) == 2 and seen[-1] == ['RECIPE=main-job']
+    cfg = Config.from_args(seen[0])                                          # valid, and the user's setting wins
     assert cfg.total_steps == 3 and cfg.lora_rank > 0 and cfg.adv_estimator == 'maxrl' and cfg.critic_free
+    assert cfg == Config.from_args(RECIPES['main-job'] + ['TOTAL_STEPS=3'])  # RECIPE=main-job stands for the recipe's settings
+    assert Config.from_args(['RECIPE=main-job']).total_steps == 30 and 'TOTAL_STEPS=30' in RECIPES['main-job']
+    assert Config.from_args(['TOTAL_STEPS=3', 'RECIPE=main-job']).total_steps == 30   # later settings override earlier ones
+    with pytest.raises(ValueError, match=re.escape(f"RECIPE='main_job': known recipes are {', '.join(RECIPES)}")):
+        Config.from_args(['RECIPE=main_job'])
 
 
 def test_train_cpu_help_shows_its_settings_and_every_key():
@@ -119,17 +145,18 @@ def test_train_cpu_help_shows_its_settings_and_every_key():
     assert r.returncode == 0 and 'LORA_RANK=16' in r.stdout and 'TRAIN_BATCH_SIZE=128' in r.stdout
 
 
-def test_main_job_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, capsys):
+def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, capsys):
     import ragen_nb.cli as cli
+    from ragen_nb.config import Config
     from ragen_nb.evaluate import heldout_seeds
     from ragen_nb.models import load_tokenizer, tiny_model
-    from ragen_nb.trainer import Config, train
+    from ragen_nb.trainer import train
     tok = load_tokenizer(); tiny_model(tok).save_pretrained(tmp_path/'tiny'); tok.save_pretrained(tmp_path/'tiny')
-    argv = cli.MAIN_JOB + [f'BASE_MODEL={tmp_path/"tiny"}', f'OUTPUT_DIR={tmp_path}', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4',
+    argv = ['RECIPE=main-job', f'BASE_MODEL={tmp_path/"tiny"}', f'OUTPUT_DIR={tmp_path}', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4',
                            'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False']
-    assert cli.main_job_eval(argv, n=3) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
+    assert cli.recipe_eval(argv, n=3) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
     train(Config.from_args(argv), progress=False)
-    assert cli.main_job_eval(argv, n=3) == 0
+    assert cli.recipe_eval(argv, n=3) == 0
     out = capsys.readouterr().out
     table = json.loads((tmp_path/'cpu-smollm2-135m'/'eval.json').read_text())
     assert Path(table['model']).name == 'global_step_2'                      # the last checkpoint
@@ -141,6 +168,6 @@ def test_main_job_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path,
     from ragen_nb.cli import main
     main(['data', '--output', str(tmp_path/'rooms'), '--train_size', '3', '--test_size', '2'])   # 2 test rooms, 3 asked
     capsys.readouterr()
-    assert cli.main_job_eval(argv + [f'DATA_DIR={tmp_path/"rooms"}', 'SEARCH_DEPTH=30'], n=3) == 2
+    assert cli.recipe_eval(argv + [f'DATA_DIR={tmp_path/"rooms"}', 'SEARCH_DEPTH=30'], n=3) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith('error:') and 'global_step_2 is saved' in err[0] and '--test_size 3' in err[0]

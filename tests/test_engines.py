@@ -7,7 +7,8 @@ from ragen_nb.data import render_prompt
 from ragen_nb.masking import collate, forward_logprobs
 from ragen_nb.rollout import HFEngine, RolloutConfig, rollout, truncate_after_answer, CLOSE
 from ragen_nb.tokens import LLM
-from ragen_nb.engines import VLLMEngine, make_engine, vllm_available, logprob_mismatch_kl
+from ragen_nb.engines import (SharedPrefixEngine, SyncedEngine, VLLMEngine, make_engine, vllm_available,
+                              logprob_mismatch_kl)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 
@@ -48,9 +49,11 @@ def test_mismatch_kl_is_unbiased_for_kl_p_q():
 def test_make_engine_hf_and_bad_kind():
     tok = tokenizer()
     actor = torch.nn.Linear(1, 1)
-    assert isinstance(make_engine('hf', actor, tok, 'unused'), HFEngine)
+    hf = make_engine('hf', actor, tok, 'unused')
+    assert type(hf) is SharedPrefixEngine and isinstance(hf, HFEngine) and hf.name == 'hf'   # the HF engine that shares the prompt start
+    assert not isinstance(hf, SyncedEngine)                                     # it samples from the actor: nothing to sync
     with pytest.raises(ValueError, match="'hf', 'vllm' or 'auto'"): make_engine('sglang', actor, tok, 'unused')
-    if not vllm_available(): assert isinstance(make_engine('auto', actor, tok, 'unused'), HFEngine)
+    if not vllm_available(): assert type(make_engine('auto', actor, tok, 'unused')) is SharedPrefixEngine
 
 def test_tensor_parallel_engines_are_refused_before_they_start():
     pytest.importorskip('vllm')
@@ -76,7 +79,7 @@ def engine(actor):
     return made
 
 def test_make_engine_vllm_starts_synced(engine, actor):
-    assert isinstance(engine, VLLMEngine)
+    assert isinstance(engine, VLLMEngine) and isinstance(engine, SyncedEngine) and engine.name == 'vllm'
     assert STARTUP['before'] == STARTUP['after']  # starting vLLM in this process left the global generators alone
     (ids, lps), = engine.generate(prompts()[:1], 8, temperature=0, stop_at_answer=False)
     torch.testing.assert_close(torch.tensor(lps), actor_logprobs(actor, prompts()[0], ids), atol=1e-4, rtol=0)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ragen_nb.cli import main
+from ragen_nb.checkpoint import latest_checkpoint
+from ragen_nb.cli import main, train_main
+from ragen_nb.config import RAGEN_ENV_VARS
 from ragen_nb.data import curate
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.sokoban import EnvSettings
-from ragen_nb.trainer import RAGEN_ENV_VARS, latest_checkpoint, train_main
 
 # the tiny run of test_trainer.py's kill-and-resume test, on a small curated dataset, drawing a rollout every step
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
@@ -82,9 +83,9 @@ def one_error_line(err: str, *words):
 # and `mid-save N` when the actor of checkpoint N is on disk and the critic and state.pt are not (it waits 0.5 s there).
 RUNNER = r'''
 import json, os, sys, threading, time, traceback
-import ragen_nb.trainer as t
+import ragen_nb.trainer as t, ragen_nb.runlog as runlog, ragen_nb.checkpoint as ckpt, ragen_nb.cli as cli
 def mark(text): print(text, flush=True)
-real_update, real_save, real_merged, saving = t.ppo_step, t.save_checkpoint, t._save_merged, [None]
+real_update, real_save, real_merged, saving = t.ppo_step, runlog.save_checkpoint, ckpt._save_merged, [None]
 def ppo_step(*args, **kwargs): mark(f"update {kwargs['step']}"); return real_update(*args, **kwargs)
 def save_checkpoint(folder, step, *args, **kwargs):
     saving[0] = step; mark(f'save {step}')
@@ -92,14 +93,15 @@ def save_checkpoint(folder, step, *args, **kwargs):
 def save_merged(model, path):
     real_merged(model, path)
     if path.name == 'actor': mark(f'mid-save {saving[0]}'); time.sleep(0.5)
-t.ppo_step, t.save_checkpoint, t._save_merged = ppo_step, save_checkpoint, save_merged
+# each where it is looked up: the train loop calls ppo_step, RunLog.checkpoint calls save_checkpoint, which calls _save_merged
+t.ppo_step, runlog.save_checkpoint, ckpt._save_merged = ppo_step, save_checkpoint, save_merged
 mark('ready')
 for line in sys.stdin:
     assert threading.active_count() == 1, 'fork only a single-threaded process'
     pid = os.fork()
     if pid == 0:
         code = 1
-        try: code = t.train_main(json.loads(line))
+        try: code = cli.train_main(json.loads(line))
         except BaseException: traceback.print_exc()
         finally: sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
     mark(f'pid {pid}')
@@ -335,7 +337,8 @@ def test_too_few_test_rooms_for_val_rooms_is_one_error_line(tiny, tmp_path, caps
     data = str(tiny/'rooms')                                           # 2 test rooms; validation asks for 64 by default
     assert main(command('train', str(tiny/'model'), data, tmp_path)) == 2
     one_error_line(capsys.readouterr().err, 'VAL_ROOMS=2', f'ragen_nb data --output {data} --test_size 64')
-    from ragen_nb.trainer import Config, check_run
+    from ragen_nb.cli import check_run
+    from ragen_nb.config import Config
     check_run(Config.from_args(run_args(tiny, tmp_path, 'no-val', 'VAL_ROOMS=64', 'TEST_FREQ=0')))   # no validation: no test rooms needed
 
 
@@ -347,8 +350,10 @@ def test_data_into_a_file_is_one_error_line(tiny, tmp_path, capsys):
 
 def test_the_default_data_dir_without_files_says_so_in_one_line(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)                                        # data/sokoban, relative, does not exist here
-    from ragen_nb.data import split_seeds
-    from ragen_nb.trainer import DEFAULT_SPLITS, Config, check_run, room_seeds
+    from ragen_nb.cli import check_run
+    from ragen_nb.config import Config
+    from ragen_nb.data import DEFAULT_SPLITS, split_seeds
+    from ragen_nb.trainer import room_seeds
     cfg = Config.from_args(run_args(tiny, tmp_path, 'default')[:1] + [f'OUTPUT_DIR={tmp_path}'])
     test = split_seeds(**DEFAULT_SPLITS)['test']
     assert cfg.data_dir == 'data/sokoban' and room_seeds(cfg)['test'] == list(test)

@@ -7,7 +7,12 @@ from ragen_nb.tokens import LLM, ENV
 from ragen_nb.sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text, solve
 from ragen_nb.data import coordinates_line, render_prompt, first_message, followup_text, observation_message, question
 from ragen_nb.rollout import (parse_action, truncate_after_answer, HFEngine, ScriptedEngine, RolloutConfig, rollout,
-                              env_reply, common_prefix_length, CUT_MARKER, CLOSE)
+                              env_reply, CUT_MARKER, CLOSE)
+from ragen_nb.engines import SharedPrefixEngine, SyncedEngine, common_prefix_length
+
+# The old HFEngine shared the prompt start by default; now HFEngine is plain left padding and SharedPrefixEngine (12)
+# shares it. Every engine test runs on both: they must give the same answers.
+ENGINES = pytest.mark.parametrize('Engine', [HFEngine, SharedPrefixEngine], ids=['plain', 'shared'])
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 
@@ -140,16 +145,18 @@ def manual_logprobs(model, prompt, ids, temperature):
     logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
 
+@ENGINES
 @pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5)])
-def test_engine_logprobs_equal_a_manual_forward(tok, temperature, top_p):
+def test_engine_logprobs_equal_a_manual_forward(tok, temperature, top_p, Engine):
     model, prompts = tiny(), [encode(p) for p in PROMPTS]
-    outs = HFEngine(model, tok).generate(prompts, 10, temperature, top_p, seed=1)
+    outs = Engine(model, tok).generate(prompts, 10, temperature, top_p, seed=1)
     for prompt, (ids, lps) in zip(prompts, outs):
         assert len(ids) == len(lps) == 10
         torch.testing.assert_close(torch.tensor(lps), manual_logprobs(model, prompt, ids, temperature), atol=1e-4, rtol=0)
 
-def test_engine_seed_reproducible_and_leaves_global_rng_alone(tok):
-    engine, prompts = HFEngine(tiny(), tok), [encode(p) for p in PROMPTS]
+@ENGINES
+def test_engine_seed_reproducible_and_leaves_global_rng_alone(tok, Engine):
+    engine, prompts = Engine(tiny(), tok), [encode(p) for p in PROMPTS]
     state = torch.get_rng_state()
     a = engine.generate(prompts, 6, seed=5)
     assert torch.equal(state, torch.get_rng_state())
@@ -157,8 +164,9 @@ def test_engine_seed_reproducible_and_leaves_global_rng_alone(tok):
     torch.manual_seed(5); b = engine.generate(prompts, 6)           # no seed: the global generator, which moves on
     torch.manual_seed(5); assert engine.generate(prompts, 6) == b and engine.generate(prompts, 6) != b
 
-def test_engine_greedy_does_not_depend_on_the_batch(tok):
-    engine, prompts = HFEngine(tiny(), tok), [encode(p) for p in PROMPTS]
+@ENGINES
+def test_engine_greedy_does_not_depend_on_the_batch(tok, Engine):
+    engine, prompts = Engine(tiny(), tok), [encode(p) for p in PROMPTS]
     batched = engine.generate(prompts, 6, temperature=0)
     for prompt, (ids, lps) in zip(prompts, batched):
         alone_ids, alone_lps = engine.generate([prompt], 6, temperature=0)[0]
@@ -167,13 +175,17 @@ def test_engine_greedy_does_not_depend_on_the_batch(tok):
         torch.testing.assert_close(torch.tensor(lps), manual_logprobs(tiny(), prompt, ids, 1.0), atol=1e-4, rtol=0)
 
 def test_engine_shared_prefix_gives_the_plain_answers(tok):
-    "Running the shared prompt start once (the default) against plain left padding: a LoRA model with live adapters, real Sokoban contexts of two turns, greedy and seeded sampling, and a row that is another's start."
+    "Running the shared prompt start once (SharedPrefixEngine) against plain left padding (HFEngine): a LoRA model with live adapters, real Sokoban contexts of two turns, greedy and seeded sampling, and a row that is another's start."
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
     model = get_peft_model(tiny_model(tok), LoraConfig(r=4, target_modules='all-linear', init_lora_weights=False)).eval()
     cfg = RolloutConfig(max_turns=2, max_response_length=8)
     rooms = [3, 4, 3, 5]
-    shared, plain = HFEngine(model, tok), HFEngine(model, tok, share_prefix=False)
+    shared, plain = SharedPrefixEngine(model, tok), HFEngine(model, tok)
+    assert shared.name == plain.name == 'hf' and ScriptedEngine(tok, str).name == 'scripted'
+    with pytest.raises(TypeError): HFEngine(model, tok, share_prefix=False)   # plain now; sharing is SharedPrefixEngine's
+    for e in (shared, plain):   # both sample from the model itself: no weights of their own to free or refresh
+        assert not isinstance(e, SyncedEngine) and not any(hasattr(e, m) for m in ('sleep', 'wake', 'sync'))
     a, b = (rollout(e, tok, rooms, SETTINGS, cfg, seed=2) for e in (shared, plain))
     assert [t.ids for t in a] == [t.ids for t in b] and max(map(len, a)) > min(map(len, a))
     torch.testing.assert_close(torch.tensor([l for t in a for l in t.logprobs]), torch.tensor([l for t in b for l in t.logprobs]),
@@ -186,33 +198,36 @@ def test_engine_shared_prefix_gives_the_plain_answers(tok):
         torch.testing.assert_close(torch.tensor([l for _, lps in x for l in lps]), torch.tensor([l for _, lps in y for l in lps]),
                                    atol=1e-5, rtol=0)
 
-def test_engine_top_p_samples_inside_the_nucleus(tok):
+@ENGINES
+def test_engine_top_p_samples_inside_the_nucleus(tok, Engine):
     "One token from 300 copies of a prompt: with top_p=0.5 every sample lies in the nucleus; with top_p=1 many do not."
     model, prompt = tiny(), encode('The room:')
     probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float() / 0.8, dim=-1)
     order = probs.argsort(descending=True)
     before = probs[order].cumsum(0) - probs[order]   # mass of the tokens more likely than each token
     nucleus = set(order[before < 0.5].tolist())
-    def firsts(top_p): return [ids[0] for ids, _ in HFEngine(model, tok).generate([prompt] * 300, 1, 0.8, top_p, seed=0)]
+    def firsts(top_p): return [ids[0] for ids, _ in Engine(model, tok).generate([prompt] * 300, 1, 0.8, top_p, seed=0)]
     assert set(firsts(0.5)) <= nucleus
     assert sum(i not in nucleus for i in firsts(1.0)) > 50
 
-def test_engine_stops_at_eos_with_pad_different_from_eos(tok):
+@ENGINES
+def test_engine_stops_at_eos_with_pad_different_from_eos(tok, Engine):
     "Make the tiny model's greedy token the eos: each row stops right after it, and no padding leaks into the ids."
     model, prompts = tiny(), [encode(p) for p in PROMPTS]
-    greedy = HFEngine(model, tok).generate(prompts, 6, temperature=0)
+    greedy = Engine(model, tok).generate(prompts, 6, temperature=0)
     first = greedy[0][0][0]
     other = load_tokenizer(); other.eos_token = tok.convert_ids_to_tokens(first)
     assert other.eos_token_id == first != other.pad_token_id
-    for (ids, lps), (full, _) in zip(HFEngine(model, other).generate(prompts, 6, temperature=0), greedy):
+    for (ids, lps), (full, _) in zip(Engine(model, other).generate(prompts, 6, temperature=0), greedy):
         k = full.index(first) + 1 if first in full else len(full)
         assert ids == full[:k] and len(lps) == len(ids)
 
-def test_engine_on_smollm_stops_where_the_cut_would_be(tok):
+@ENGINES
+def test_engine_on_smollm_stops_where_the_cut_would_be(tok, Engine):
     "SmolLM2, 8 rows: with the stop off some run past their answer; with it on, every row is exactly its cut ids."
     model, env = smollm(), SokobanEnv(SETTINGS)
     prompt = encode(render_prompt(tok, env.reset(seed=3)))
-    engine = HFEngine(model, tok)
+    engine = Engine(model, tok)
     ran_on = engine.generate([prompt] * 8, 24, seed=0, stop_at_answer=False)
     cuts = [truncate_after_answer(ids, tok) for ids, _ in ran_on]
     assert any(was_cut for _, was_cut in cuts), 'some sample should run past its answer; if the model or prompt changed, pick another seed'
@@ -372,8 +387,9 @@ def test_rollout_never_breaks_a_limit(response, obs, extra, turns, reply):
             span = [s for s, t in zip(traj.sources, traj.turns) if t == turn]
             assert span.count(LLM) <= response and span.count(ENV) <= 1 + obs
 
-def test_rollout_deterministic_and_samples_groups_independently(tok):
-    engine, cfg = HFEngine(tiny(), tok), RolloutConfig(max_turns=2, max_response_length=8)
+@ENGINES
+def test_rollout_deterministic_and_samples_groups_independently(tok, Engine):
+    engine, cfg = Engine(tiny(), tok), RolloutConfig(max_turns=2, max_response_length=8)
     a = rollout(engine, tok, [3, 4, 3], SETTINGS, cfg, seed=11)
     assert [(t.ids, t.logprobs) for t in rollout(engine, tok, [3, 4, 3], SETTINGS, cfg, seed=11)] == [(t.ids, t.logprobs) for t in a]
     assert [t.ids for t in rollout(engine, tok, [3, 4, 3], SETTINGS, cfg, seed=12)] != [t.ids for t in a]
@@ -392,19 +408,21 @@ SCRIPT = """
 import json
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.sokoban import EnvSettings
-from ragen_nb.rollout import HFEngine, RolloutConfig, rollout
+from ragen_nb.rollout import RolloutConfig, rollout
+from ragen_nb.engines import SharedPrefixEngine
 tok = load_tokenizer()
-trajs = rollout(HFEngine(tiny_model(tok), tok), tok, [3, 4], EnvSettings(6, 6, 1, 5, 30), RolloutConfig(max_turns=2, max_response_length=8), seed=11)
+trajs = rollout(SharedPrefixEngine(tiny_model(tok), tok), tok, [3, 4], EnvSettings(6, 6, 1, 5, 30), RolloutConfig(max_turns=2, max_response_length=8), seed=11)
 print(json.dumps([t.ids for t in trajs]))
 """
 
 def test_rollout_same_in_another_process(tok):
-    here = rollout(HFEngine(tiny(), tok), tok, [3, 4], SETTINGS, RolloutConfig(max_turns=2, max_response_length=8), seed=11)
+    here = rollout(SharedPrefixEngine(tiny(), tok), tok, [3, 4], SETTINGS, RolloutConfig(max_turns=2, max_response_length=8), seed=11)
     out = subprocess.run([sys.executable, '-c', SCRIPT], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [t.ids for t in here]
 
-def test_rollout_with_smollm(tok):
+@ENGINES
+def test_rollout_with_smollm(tok, Engine):
     "The real model for a short rollout: every invariant holds on real text."
     cfg = RolloutConfig(max_turns=2, max_response_length=16)
-    for traj in rollout(HFEngine(smollm(), tok), tok, [3, 4], SETTINGS, cfg, seed=0):
+    for traj in rollout(Engine(smollm(), tok), tok, [3, 4], SETTINGS, cfg, seed=0):
         check_trajectory(traj, tok, cfg)

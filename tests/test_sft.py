@@ -6,15 +6,17 @@ import pytest
 import torch
 
 import ragen_nb.sft as sft_module
-from ragen_nb.masking import collate, forward_logprobs, masked_mean
-from ragen_nb.models import load_model, load_tokenizer, tiny_model
+from ragen_nb.checkpoint import STATE_FILE
+from ragen_nb.cli import train_main
+from ragen_nb.config import Config, RunSettings
+from ragen_nb.masking import collate, forward_logprobs, llm_forward, masked_mean
+from ragen_nb.models import cpu_has_bf16, load_model, load_tokenizer, tiny_model, with_lora
 from ragen_nb.ppo import policy_loss
 from ragen_nb.rollout import RolloutConfig, ScriptedEngine, rollout
-from ragen_nb.sft import (SFT_FILE, SFTConfig, demonstration, demonstrations, llm_logprobs, llm_logprobs_shared, sft,
-                          sft_help, sft_loss, sft_main, sft_step, single_turn_demonstrations, think_text)
+from ragen_nb.sft import (SFT_FILE, SFTConfig, demonstration, demonstrations, sft, sft_loss, sft_main, sft_step,
+                          single_turn_demonstrations, think_text)
 from ragen_nb.sokoban import ACTIONS, EnvSettings, SokobanEnv, solve
 from ragen_nb.tokens import ENV, LLM, PROMPT
-from ragen_nb.trainer import Config, train_main
 
 SEED_SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 SEEDS = range(10000, 10040)
@@ -51,6 +53,11 @@ def tiny_args(tiny_dir, out, name, *extra):
 
 def read_metrics(run):
     return [json.loads(l) for l in (Path(run)/'metrics.jsonl').read_text().splitlines()]
+
+
+def llm_logprobs(model, b, share_prefix=False):
+    "The (B, L) logprobs of the LLM tokens of `b` (0 off the loss mask), by `llm_forward` (05), in place of sft's old helpers."
+    return llm_forward(model, b, share_prefix=share_prefix)[0]
 
 
 # --- demonstrations -------------------------------------------------------------------------------------------------
@@ -144,10 +151,13 @@ def test_sft_loss_is_ppos_loss_with_advantage_one_at_ratio_one(tok):
 def test_fast_logprobs_equal_the_reference(tok, multi_turn):
     b = collate(demonstrations(tok, range(10000, 10004), SEED_SETTINGS, multi_turn=multi_turn)[0], tok.pad_token_id)
     model = tiny_model(tok)
-    reference = forward_logprobs(model, b)[b.loss_mask.bool()]
+    mask = b.loss_mask.bool()
+    reference = forward_logprobs(model, b)[mask]
     g = []
-    for fn in (llm_logprobs, llm_logprobs_shared):
-        model.zero_grad(); lp = fn(model, b)
+    for share_prefix in (False, True):
+        model.zero_grad(); full = llm_logprobs(model, b, share_prefix)
+        assert full.shape == b.loss_mask.shape and (full[~mask] == 0).all()   # (B, L), zeroed off the loss mask
+        lp = full[mask]
         torch.testing.assert_close(lp, reference, atol=1e-5, rtol=1e-5)
         lp.sum().backward(); g.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad(); reference.sum().backward()
@@ -159,11 +169,11 @@ def test_one_step_raises_the_demonstrated_tokens_logprobs_full_and_lora(tok):
     b = collate(demos, tok.pad_token_id)
     for lora_rank in (0, 8):
         model = tiny_model(tok)
-        if lora_rank: model = sft_module._with_lora(model, Config(lora_rank=lora_rank), None)
+        if lora_rank: model = with_lora(model, lora_rank, Config().lora_alpha, seed=0)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        with torch.no_grad(): before = llm_logprobs(model, b)
+        with torch.no_grad(): before = llm_logprobs(model, b)[b.loss_mask.bool()]
         stats = sft_step(model, opt, demos, tok.pad_token_id, micro_batch_size=2)
-        with torch.no_grad(): after = llm_logprobs(model, b)
+        with torch.no_grad(): after = llm_logprobs(model, b)[b.loss_mask.bool()]
         assert after.mean() > before.mean() and stats['loss'] == pytest.approx(-before.mean().item(), rel=1e-4)
         assert stats['llm_tokens'] == int(b.loss_mask.sum()) and not model.training
 
@@ -212,7 +222,12 @@ def test_help_lists_every_setting_with_its_doc(capsys):
     settings = text.splitlines()[2:]
     assert len(settings) == len(dataclasses.fields(SFTConfig)) and all(len(l.split(None, 1)) == 2 for l in settings)
     for f in dataclasses.fields(SFTConfig): assert f'{f.name.upper()}={f.default}' in text
-    assert text == sft_help() + '\n'
+    assert text == SFTConfig.help() + '\n'
+    assert issubclass(SFTConfig, RunSettings) and text.startswith('ragen_nb sft KEY=value')
+    env = SFTConfig.env_vars()   # RAGEN's exported variables that SFT reads: the room and episode limits, not the run's
+    assert env == ('DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'BASE_MODEL', 'MAX_START_LENGTH',
+                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS')
+    for f in dataclasses.fields(SFTConfig): assert (f'[env {f.name.upper()}]' in text) == (f.name.upper() in env)
 
 
 @pytest.mark.parametrize('args, says', [(['LR=0'], 'lr=0'), (['MICRO_BATCH_SIZE=3'], 'must divide'),
@@ -290,12 +305,12 @@ def test_multi_turn_seed_and_think_change_the_examples(tok, tiny_dir, tmp_path, 
 
 def test_share_prefix_chooses_the_shared_forward(tok, tiny_dir, tmp_path, monkeypatch):
     calls = []
-    real = sft_module.llm_logprobs_shared
-    monkeypatch.setattr(sft_module, 'llm_logprobs_shared', lambda *a: calls.append('shared') or real(*a))
+    real = sft_module.llm_forward
+    monkeypatch.setattr(sft_module, 'llm_forward', lambda *a, **k: calls.append(k.get('share_prefix', False)) or real(*a, **k))
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'on', 'TOTAL_STEPS=1', 'SHARE_PREFIX=True')) == 0
-    assert calls == ['shared', 'shared']                        # one step, two micro-batches of one
+    assert calls == [True, True]                                # one step, two micro-batches of one, both shared
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'off', 'TOTAL_STEPS=1', 'SHARE_PREFIX=False')) == 0
-    assert calls == ['shared', 'shared']                        # none more
+    assert calls == [True, True, False, False]                  # none more shared
 
 
 def test_bf16_setting_reaches_the_step(tok, tiny_dir, tmp_path, monkeypatch):
@@ -314,8 +329,8 @@ def test_bf16_setting_reaches_the_step(tok, tiny_dir, tmp_path, monkeypatch):
                                            ('fpu sse2 avx512f avx512bw avx512_vnni', False)])         # AVX-512 without bf16
 def test_cpu_has_bf16_reads_the_cpu_flags(tmp_path, flags, native):
     (tmp_path/'cpuinfo').write_text(f'processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n')
-    assert sft_module.cpu_has_bf16(tmp_path/'cpuinfo') is native
-    assert sft_module.cpu_has_bf16(tmp_path/'absent') is None     # not Linux: cannot tell, so no warning
+    assert cpu_has_bf16(tmp_path/'cpuinfo') is native
+    assert cpu_has_bf16(tmp_path/'absent') is None     # not Linux: cannot tell, so no warning
 
 
 @pytest.mark.parametrize('native, warns', [(False, True), (True, False), (None, False)])
@@ -333,6 +348,7 @@ def test_a_checkpoint_starts_train_as_base_model(tok, tiny_dir, tmp_path, lora_r
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'sft', f'LORA_RANK={lora_rank}', 'LR=0.01')) == 0
     ckpt = tmp_path/'sft'/'global_step_2'
     assert (ckpt/'actor_lora').exists() == bool(lora_rank) and (ckpt/'actor'/'config.json').exists()
+    assert not (ckpt/STATE_FILE).exists() and (ckpt/SFT_FILE).exists()   # no optimizer state: a start, not a resume point
     demos = demonstrations(tok, range(10000, 10002), SEED_SETTINGS)[0]
     b = collate(demos, tok.pad_token_id)
     with torch.no_grad():

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragen_nb.starpo import (collapse_metrics, collapse_warning, filter_groups, filter_metrics, first_actions, group_ids,
-                             group_reward_std, kept_groups, room_groups, top_p_groups)
+from ragen_nb.advantages import group_ids, room_groups
+from ragen_nb.starpo import (COLLAPSE_PATIENCE, collapse_metrics, collapse_warning, collapsing, filter_groups, filter_metrics,
+                             first_actions, group_reward_std, kept_groups, top_p_groups)
 from ragen_nb.tokens import Trajectory
 
 
@@ -126,4 +127,49 @@ def test_zero_std_share_and_first_actions():
     assert m['collapse/zero_std_share'] == 0.25 and m['collapse/first_actions'] == 2
     assert first_actions([Trajectory(seed=1)]) == [None]                             # no turn at all
     line = collapse_warning({**m, 'actor/entropy': 1.5})
-    assert f"{m['collapse/room_action_mi']:.3f}" in line and 'entropy 1.50' in line and '25% of rooms' in line
+    assert line.startswith(f"for {COLLAPSE_PATIENCE} steps in a row the policy's first move has not depended on the room (")
+    assert COLLAPSE_PATIENCE == 3 and '(2 first moves, chosen without looking at the room;' in line
+    assert f"information {m['collapse/room_action_mi']:.2f} nats" in line and 'in 25% of rooms every rollout' in line
+    assert 'ACTOR_LR' in line and 'GROUP_SIZE' in line
+    one = collapse_warning({**m, 'collapse/first_actions': 1}, patience=5)
+    assert one.startswith('for 5 steps in a row') and '(one first move everywhere;' in one
+
+
+def verdict(detected, first_actions=2, zero_std_share=0.5, step=1):
+    "A metrics line of a step with room groups: the collapse verdict and what `collapsing` reads beside it."
+    return {'step': step, 'collapse/detected': float(detected), 'collapse/first_actions': first_actions,
+            'collapse/zero_std_share': zero_std_share, 'collapse/room_action_mi': 0.01, 'collapse/room_action_mi_null': 0.02,
+            'collapse/room_action_mi_null_std': 0.01}
+
+
+def test_collapsing_needs_three_steps_in_a_row_of_a_room_blind_first_move_and_rollouts_that_stopped_varying():
+    bad, fine = verdict(1), verdict(0)
+    assert not collapsing([]) and not collapsing([bad]) and not collapsing([bad, bad])      # a trend, not one step
+    assert collapsing([bad] * 3) and collapsing([fine, bad, bad, bad]) and not collapsing([bad, bad, fine])
+    assert not collapsing([bad, fine, bad, bad])                                             # in a row
+    assert collapsing([bad, bad, {'step': 3, 'val/success_rate': 0.5}, bad])                 # lines without a verdict are passed over
+    # detected, but the rollouts still vary: several first moves and under half the rooms tied
+    assert not collapsing([bad, bad, verdict(1, first_actions=2, zero_std_share=0.25)])
+    assert collapsing([bad, bad, verdict(1, first_actions=1, zero_std_share=0.0)])           # one first move everywhere
+    assert collapsing([verdict(1, 3, 0.75)] * 3)                                             # most rooms tied
+    assert collapsing([bad] * 2, patience=2) and not collapsing([bad] * 2, patience=3)
+
+
+def test_the_run_log_warns_once_when_collapsing_turns_true(tmp_path, capsys):
+    from ragen_nb.config import Config
+    from ragen_nb.runlog import RunLog
+    log = RunLog(tmp_path/'run', Config(), done=0)
+    assert (tmp_path/'run'/'metrics.jsonl').exists()                                         # RunLog makes the run folder
+    said = []
+    for step, detected in enumerate([1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1], start=1):
+        log.write(verdict(detected, step=step))
+        said.append(capsys.readouterr().err)
+    warned = [step for step, err in enumerate(said, start=1) if err]
+    assert warned == [6, 12]                                                                 # the third step in a row, once per entry
+    assert said[5] == f'warning: step 6: {collapse_warning(verdict(1, step=6))}\n'
+    log.close()
+    assert len((tmp_path/'run'/'metrics.jsonl').read_text().splitlines()) == 12
+    quiet = RunLog(tmp_path/'other', Config(), done=0, main=False)                          # not the main process: nothing at all
+    for step in range(1, 5): quiet.write(verdict(1, step=step))
+    quiet.say('hello'); quiet.close()
+    assert capsys.readouterr().err == '' and not (tmp_path/'other').exists()

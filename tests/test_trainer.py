@@ -6,12 +6,14 @@ import math
 import pytest
 import torch
 
-from ragen_nb.advantages import gae, whiten
+import ragen_nb.advantages as advantages
+from ragen_nb.config import Config
+from ragen_nb.gae import ValueModel, forward_values, gae, whiten
 from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
-from ragen_nb.models import load_tokenizer, tiny_model
+from ragen_nb.models import load_tokenizer, tiny_model, with_lora
 from ragen_nb.ppo import entropy_from_logits
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
-from ragen_nb.trainer import METRICS, Config, ValueModel, forward_values, make_optimizers, ppo_step, score_batch
+from ragen_nb.trainer import METRICS, make_optimizers, ppo_step, score_batch
 
 README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30, micro_batch_size=1,
               train_batch_size=128, ppo_batch_size=64, max_start_length=400, max_response_length=100, max_obs_length=120,
@@ -101,13 +103,17 @@ def test_bad_settings_name_the_setting(args, name):
 
 
 def test_from_env_reads_only_ragens_variables_and_args_win():
-    from ragen_nb.trainer import RAGEN_ENV_VARS
+    from ragen_nb.config import RAGEN_ENV_VARS
     environ = {'DIM_X': '7', 'LOG_MODE': "['wandb']", 'GCP': 'False', 'TRAIN_BATCH_SIZE': '32', 'PPO_BATCH_SIZE': '16',
                'SEED': '5', 'GAMMA': '0.5', 'HOME': '/root'}
     c = Config.from_env(['PPO_BATCH_SIZE=8'], environ=environ)
     assert (c.dim_x, c.log_mode, c.gcp, c.train_batch_size, c.ppo_batch_size, c.seed, c.gamma) == \
         (7, 'wandb', False, 32, 8, 0, 1.0)
     assert len(RAGEN_ENV_VARS) == 20 and all(hasattr(c, k.lower()) for k in RAGEN_ENV_VARS)
+    assert set(RAGEN_ENV_VARS) == {'DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'BASE_MODEL',
+                                   'EXPERIMENT_NAME', 'MICRO_BATCH_SIZE', 'TRAIN_BATCH_SIZE', 'PPO_BATCH_SIZE', 'MAX_START_LENGTH',
+                                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS', 'NUM_UPDATE_PER_ROLL', 'LOG_MODE', 'GCP',
+                                   'N_GPUS', 'ROLLOUT_TP_SIZE'}   # RAGEN's exported variables, as before the re-cut
     with pytest.raises(ValueError, match='MAX_TURNS'): Config.from_env(environ={'MAX_TURNS': 'x'})
 
 
@@ -271,11 +277,11 @@ def two_rooms(tok):
     return out
 
 
-def spy(monkeypatch, name):
-    "Record the arguments of every call of trainer.`name`, which still runs."
-    calls, real = [], getattr(trainer, name)
+def spy(monkeypatch, name, module=trainer):
+    "Record the arguments of every call of `module`.`name` (the trainer's by default; the estimators' registries call `ragen_nb.advantages`'s), which still runs."
+    calls, real = [], getattr(module, name)
     def wrapper(*args, **kwargs): calls.append(args + tuple(kwargs.values())); return real(*args, **kwargs)
-    monkeypatch.setattr(trainer, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return calls
 
 
@@ -324,11 +330,12 @@ def test_kl_loss_is_the_chosen_estimate_against_the_reference_and_moves_the_upda
 
 
 def test_maxrl_scores_success_not_reward(tok, monkeypatch):
-    calls, used = spy(monkeypatch, 'outcome_advantages'), spy(monkeypatch, 'policy_loss')
+    calls, used = spy(monkeypatch, 'group_normalise', advantages), spy(monkeypatch, 'policy_loss')
     trajs = two_rooms(tok)                                                # rewards 1, -1 | 2, 2
     for t, solved in zip(trajs, [True, False, True, True]): t.success = solved
     step_with(tok, trajs, ADV_ESTIMATOR='maxrl', GROUP_SIZE=2)
-    scores, groups, mask, how = calls[0]
+    assert len(calls) == 1
+    scores, groups, how = calls[0]
     assert how == 'maxrl' and groups.tolist() == [0, 0, 1, 1]
     torch.testing.assert_close(scores, torch.tensor([1., 0., 1., 1.]))   # success, whatever the reward
     adv, m = used[0][2], used[0][3].bool()
@@ -338,9 +345,10 @@ def test_maxrl_scores_success_not_reward(tok, monkeypatch):
 
 @pytest.mark.parametrize('norm', ['grpo', 'brpo', 'arpo'])
 def test_critic_free_estimators_score_room_groups_and_feed_the_policy_loss(tok, monkeypatch, norm):
-    calls, used = spy(monkeypatch, 'outcome_advantages'), spy(monkeypatch, 'policy_loss')
+    calls, used = spy(monkeypatch, 'group_normalise', advantages), spy(monkeypatch, 'policy_loss')
     metrics, _ = step_with(tok, two_rooms(tok), ADV_ESTIMATOR=norm, GROUP_SIZE=2)
-    scores, groups, mask, how = calls[0]
+    assert len(calls) == 1
+    scores, groups, how = calls[0]
     assert how == norm and groups.tolist() == [0, 0, 1, 1]
     torch.testing.assert_close(scores, torch.tensor([1., -1., 2., 2.]))
     s = torch.tensor([1., -1., 2., 2.])
@@ -356,7 +364,7 @@ def test_critic_free_estimators_score_room_groups_and_feed_the_policy_loss(tok, 
 
 
 def test_bilevel_gae_discounts_turns_by_high_level_gamma(tok, monkeypatch):
-    token, turn = spy(monkeypatch, 'gae'), spy(monkeypatch, 'turn_level_gae')
+    token, turn = spy(monkeypatch, 'gae', advantages), spy(monkeypatch, 'turn_level_gae', advantages)
     step_with(tok, two_rooms(tok), ADV_ESTIMATOR='bilevel_gae', HIGH_LEVEL_GAMMA=0.5, GAMMA=0.9)
     assert len(turn) == 1 and turn[0][4:] == (0.9, 1.0, 0.5, 1.0)           # gamma, lam inside a turn; 0.5, lam across
     turn.clear(); token.clear()
@@ -365,7 +373,7 @@ def test_bilevel_gae_discounts_turns_by_high_level_gamma(tok, monkeypatch):
 
 
 def test_per_turn_rewards_put_each_turn_reward_on_its_turn(tok, monkeypatch):
-    calls = spy(monkeypatch, 'gae')
+    calls = spy(monkeypatch, 'gae', advantages)
     step_with(tok, two_rooms(tok), PER_TURN_REWARDS=True)
     rewards, mask = calls[0][0], calls[0][2]
     assert (rewards != 0).sum(-1).tolist() == [2, 2, 2, 2] and ((rewards != 0) <= mask.bool()).all()
@@ -377,13 +385,15 @@ def test_per_turn_rewards_put_each_turn_reward_on_its_turn(tok, monkeypatch):
 
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(tok, tmp_path):
     from ragen_nb.models import load_model
-    from ragen_nb.trainer import load_training_state, save_checkpoint
+    from ragen_nb.checkpoint import load_training_state, save_checkpoint
     trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
     cfg = cfg_for(2, ACTOR_LR=1e-3, CRITIC_LR=1e-3)
     actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
     opts = make_optimizers(actor, critic, cfg)
     ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=0)
-    path = save_checkpoint(tmp_path, 1, actor, critic, *opts, tok, cfg)
+    path = save_checkpoint(tmp_path, 1, actor, tok, critic, *opts, config=dataclasses.asdict(cfg))
+    assert torch.load(path/'state.pt', weights_only=False)['config'] == dataclasses.asdict(cfg)
+    assert (path/'actor'/'tokenizer.json').exists()
     expected_rand = torch.rand(3)
     ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=1)
     vec = torch.nn.utils.parameters_to_vector
@@ -405,20 +415,23 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tok, tmp_path):
 
 
 def test_save_is_atomic_and_replaces(tok, tmp_path, monkeypatch):
-    from ragen_nb.trainer import STATE_FILE, load_training_state, save_checkpoint
+    from ragen_nb.checkpoint import STATE_FILE, load_training_state, save_checkpoint
     cfg = cfg_for(2)
     actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
     opts = make_optimizers(actor, critic, cfg)
-    path = save_checkpoint(tmp_path, 5, actor, critic, *opts)
+    start = save_checkpoint(tmp_path/'start', 0, actor, critic=critic)       # no optimizer: a start, not a resume point
+    assert sorted(p.name for p in start.iterdir()) == ['actor', 'critic']
+    path = save_checkpoint(tmp_path, 5, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])
     assert (path/'actor'/'config.json').exists() and (path/'critic'/'value_head.safetensors').exists()
     with torch.no_grad(): actor.lm_head.weight.add_(1.)
     def boom(*a, **k): raise OSError('disk full')
     monkeypatch.setattr(torch, 'save', boom)
-    with pytest.raises(OSError, match='disk full'): save_checkpoint(tmp_path, 6, actor, critic, *opts)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5']   # no global_step_6, no temp folder
+    with pytest.raises(OSError, match='disk full'):
+        save_checkpoint(tmp_path, 6, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5', 'start']   # no global_step_6, no temp folder
     monkeypatch.undo()
-    save_checkpoint(tmp_path, 5, actor, critic, *opts)                          # overwrite in place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5']
+    save_checkpoint(tmp_path, 5, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])   # overwrite in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5', 'start']
     from ragen_nb.models import load_model
     torch.testing.assert_close(load_model(str(path), device='cpu').lm_head.weight, actor.lm_head.weight)
     (path/STATE_FILE).unlink()
@@ -435,11 +448,12 @@ def test_rollout_config_matches_ragen_limits():
 
 
 def test_step_on_rollouts_recomputes_the_sampler_logprobs(tok):
-    from ragen_nb.rollout import HFEngine, rollout
+    from ragen_nb.engines import SharedPrefixEngine   # the trainer's HF engine (make_engine('hf'))
+    from ragen_nb.rollout import rollout
     cfg = Config.from_args(['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2',
                             'MAX_RESPONSE_LENGTH=6', 'KL_COEF=0', 'TEMPERATURE=0.7'])
     actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
-    trajs = rollout(HFEngine(actor, tok), tok, [0, 1], cfg.env_settings, cfg.rollout_config(), seed=0)
+    trajs = rollout(SharedPrefixEngine(actor, tok), tok, [0, 1], cfg.env_settings, cfg.rollout_config(), seed=0)
     metrics = ppo_step(trajs, actor, critic, *make_optimizers(actor, critic, cfg), cfg, tok.pad_token_id)
     assert metrics['actor/sampler_gap'] < 1e-4
     assert metrics['score/mean'] == pytest.approx(sum(t.total_reward for t in trajs) / 2)
@@ -450,11 +464,12 @@ def test_step_on_rollouts_recomputes_the_sampler_logprobs(tok):
 
 def test_sampler_logprobs_as_old_ones_give_the_recomputed_update_with_one_pass_less(tok, monkeypatch):
     "RECOMPUTE_OLD_LOGPROBS=False on HF rollouts: the same SGD update as recomputing them (the sampler is the actor), one pass less."
-    from ragen_nb.rollout import HFEngine, rollout
+    from ragen_nb.engines import SharedPrefixEngine   # the trainer's HF engine (make_engine('hf'))
+    from ragen_nb.rollout import rollout
     args = ['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
             'KL_COEF=0', 'TEMPERATURE=0.7', 'ADV_ESTIMATOR=grpo', 'ROLLOUT_ENGINE=hf', 'CLIP_RATIO_LOW=0.01', 'CLIP_RATIO_HIGH=0.01']
     sampler = tiny_model(tok)
-    trajs = rollout(HFEngine(sampler, tok), tok, [0, 0, 1, 1], Config.from_args(args).env_settings,
+    trajs = rollout(SharedPrefixEngine(sampler, tok), tok, [0, 0, 1, 1], Config.from_args(args).env_settings,
                     Config.from_args(args).rollout_config(), seed=0)
     for t, total in zip(trajs, [1., -1., 2., 0.]): t.rewards = [0.] * (len(t.rewards) - 1) + [total]   # both groups disagree
     def update(recompute: bool, rollouts) -> tuple:
@@ -493,8 +508,11 @@ import sys
 from pathlib import Path
 
 import ragen_nb.trainer as trainer
-from ragen_nb.trainer import (TRAIN_METRICS, batch_seeds, latest_checkpoint, room_seeds, train,
-                              train_main)
+import ragen_nb.runlog as runlog
+from ragen_nb.checkpoint import latest_checkpoint
+from ragen_nb.cli import train_main
+from ragen_nb.config import RAGEN_ENV_VARS
+from ragen_nb.trainer import TRAIN_METRICS, batch_seeds, room_seeds, train
 from ragen_nb.viz import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -569,10 +587,10 @@ def test_gradient_checkpointing_leaves_the_update_unchanged(tok):
 def test_keep_steps_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
     path = tmp_path/'metrics.jsonl'
     path.write_text(''.join(json.dumps({'step': s, 'x': s / 3}) + '\n' for s in (1, 2, 3)) + '{"step": 4, "x')
-    trainer._keep_steps(path, 2)
+    with pytest.warns(UserWarning, match=r'metrics\.jsonl, line 4: unfinished last line left out'): runlog.keep_steps(path, 2)
     with path.open('a') as f: f.write(json.dumps({'step': 3, 'x': -1}) + '\n')
     assert read_metrics(tmp_path) == [{'step': 1, 'x': 1 / 3}, {'step': 2, 'x': 2 / 3}, {'step': 3, 'x': -1}]
-    trainer._keep_steps(tmp_path/'absent.jsonl', 2)
+    runlog.keep_steps(tmp_path/'absent.jsonl', 2)
     assert not (tmp_path/'absent.jsonl').exists()
 
 
@@ -581,28 +599,32 @@ def test_keep_steps_keeps_nothing_without_a_checkpoint_and_refuses_garbage_mid_f
     "A run resumed without a checkpoint starts over, step-0 validation included, so even step 0's line goes; a bad line that is not the last one is an error and the file stays as it was."
     path = tmp_path/'metrics.jsonl'
     path.write_text(''.join(json.dumps({'step': s}) + '\n' for s in (0, 1)))
-    trainer._keep_steps(path, 0)
+    runlog.keep_steps(path, 0)
     assert path.read_text() == ''
     damaged = json.dumps({'step': 1}) + '\nnot json\n' + json.dumps({'step': 2}) + '\n'
     path.write_text(damaged)
-    with pytest.raises(ValueError, match='line 2, is not a JSON record'): trainer._keep_steps(path, 2)
+    with pytest.raises(ValueError, match='line 2, is not a JSON record'): runlog.keep_steps(path, 2)
     assert path.read_text() == damaged
+    stepless = json.dumps({'step': 1}) + '\n' + json.dumps({'x': 1}) + '\n'     # JSON, but no step: edited or damaged too
+    path.write_text(stepless)
+    with pytest.raises(ValueError, match='record 2, has no step'): runlog.keep_steps(path, 2)
+    assert path.read_text() == stepless
 
 CRASH = """
 import os, sys
-import ragen_nb.trainer as t
-real = t.save_checkpoint
+import ragen_nb.runlog as runlog, ragen_nb.cli as cli
+real = runlog.save_checkpoint                # what RunLog.checkpoint calls
 def save_then_die(folder, step, *args, **kwargs):
     if step == 2: os._exit(17)              # killed after writing step 2's metrics, before its checkpoint
     return real(folder, step, *args, **kwargs)
-t.save_checkpoint = save_then_die
-sys.exit(t.train_main(sys.argv[1:]))
+runlog.save_checkpoint = save_then_die
+sys.exit(cli.train_main(sys.argv[1:]))
 """
 
 
 def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp_path):
     env = {**os.environ, 'PYTHON': sys.executable}
-    for k in trainer.RAGEN_ENV_VARS: env.pop(k, None)
+    for k in RAGEN_ENV_VARS: env.pop(k, None)
     steps = ['TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=1',
              'LOG_N_IMAGE_PER_BATCH=1', f'LOG_IMAGE_DIR={tmp_path/"img"}']
     # the uninterrupted run, through train.sh
@@ -672,11 +694,18 @@ def test_a_broken_wandb_warns_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatc
 
 
 def test_help_lists_every_setting_with_default_and_env_var(capsys):
+    from ragen_nb.config import RECIPES
     assert train_main(['--help']) == 0
     text = capsys.readouterr().out
+    assert text == Config.help() + '\n'
     for f in dataclasses.fields(Config): assert f'{f.name.upper()}={f.default}' in text
-    settings = text.splitlines()[2:]
-    assert len(settings) == len(dataclasses.fields(Config)) and all(len(l.split(None, 1)) == 2 for l in settings)   # each has a doc
+    n = len(dataclasses.fields(Config))
+    lines = text.splitlines()
+    settings = lines[2:2 + n]                                                # then the recipes, after a blank line
+    assert all(l.startswith('  ') and len(l.split(None, 1)) == 2 for l in settings)   # each has a doc
+    assert [l.split('=', 1)[0].strip() for l in settings] == [f.name.upper() for f in dataclasses.fields(Config)]
+    assert lines[2 + n] == '' and lines[3 + n].startswith('RECIPE=name')
+    assert lines[4 + n:] == [f'  {name}: {" ".join(args)}' for name, args in RECIPES.items()]   # every recipe, in full
     assert 'TRAIN_BATCH_SIZE=128' in text and '[env TRAIN_BATCH_SIZE]' in text and '[env SEED]' not in text
     assert train_main(['TRAIN_BACH_SIZE=8']) == 2
 
@@ -684,7 +713,7 @@ def test_help_lists_every_setting_with_default_and_env_var(capsys):
 # --- the shared critic and LoRA ----------------------------------------------------------------------------------------
 
 def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
-    from ragen_nb.trainer import policy_and_values
+    from ragen_nb.gae import policy_and_values
     actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
     b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
     logprobs, entropies, values = policy_and_values(actor, critic, b, temperature=2.0)
@@ -700,7 +729,7 @@ def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
 
 
 def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_softmax(tok):
-    from ragen_nb.trainer import llm_forward, token_stats
+    from ragen_nb.masking import llm_forward, token_stats
     b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Down now please, quickly', -1., 1)], tok.pad_token_id)
     actor, seen = tiny_model(tok), []
     actor.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
@@ -714,7 +743,7 @@ def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_so
 
 
 def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
-    from ragen_nb.trainer import policy_and_values
+    from ragen_nb.gae import policy_and_values
     b = collate([episode(tok, 'Up', 1., 0)], tok.pad_token_id)
     grads = {}
     for kind in ('shared', 'separate'):
@@ -727,11 +756,10 @@ def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
 
 
 def lora_pair(tok, cfg):
-    from ragen_nb.trainer import _with_lora
     base = tiny_model(tok)
     critic = ValueModel.from_causal_lm(base)
-    critic.trunk = _with_lora(critic.trunk, cfg, None)
-    return base, _with_lora(copy.deepcopy(base), cfg, None), critic
+    critic.trunk = with_lora(critic.trunk, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+    return base, with_lora(copy.deepcopy(base), cfg.lora_rank, cfg.lora_alpha, cfg.seed), critic
 
 
 def test_lora_trains_only_the_adapters_and_its_reference_is_the_base(tok):
@@ -807,7 +835,9 @@ def test_minibatches_are_whole_room_groups(tok, monkeypatch):
         ppo_step(trajs, actor, None, *make_optimizers(actor, None, cfg), cfg, tok.pad_token_id, step=1)
         assert len(seen) == 3 and all(rows[0] == rows[1] for rows in seen)     # two rows of one prompt
         assert sorted(rows[0] for rows in seen) == sorted(tok.encode(r) for r in rooms)
-    order = torch.randperm(6, generator=torch.Generator().manual_seed(1 * 1_000_003 + 1))
+    from ragen_nb.rollout import mixed_seed
+    assert mixed_seed(1, 1) == 1 * 1_000_003 + 1
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(mixed_seed(1, 1)))   # the shuffle of SEED=1, step 1
     seen.clear()
     cfg = cfg_for(6, PPO_BATCH_SIZE=1, MICRO_BATCH_SIZE=1, SEED=1, CRITIC='shared')
     actor = tiny_model(tok); critic = ValueModel.on_actor(actor)
@@ -911,9 +941,10 @@ def test_a_critic_free_run_builds_saves_and_resumes_without_a_critic(tiny_dir, t
 
 
 def test_rollouts_of_one_room_are_sampled_independently(tok):
-    from ragen_nb.rollout import HFEngine, rollout
+    from ragen_nb.engines import SharedPrefixEngine   # the trainer's HF engine (make_engine('hf'))
+    from ragen_nb.rollout import rollout
     cfg = Config.from_args(['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=4', 'MAX_TURNS=1', 'MAX_RESPONSE_LENGTH=6'])
-    trajs = rollout(HFEngine(tiny_model(tok), tok), tok, batch_seeds(list(range(50)), 1, 4, 0, 4), cfg.env_settings,
+    trajs = rollout(SharedPrefixEngine(tiny_model(tok), tok), tok, batch_seeds(list(range(50)), 1, 4, 0, 4), cfg.env_settings,
                     cfg.rollout_config(), seed=0)
     assert len({t.seed for t in trajs}) == 1 and len({tuple(t.ids) for t in trajs}) == 4
 
@@ -943,7 +974,7 @@ from transformers import AutoModelForCausalLM
 def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_path):
     args = run_args(tiny_dir, tmp_path, 'ddp', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.5', 'PPO_BATCH_SIZE=4',
                     'TOTAL_STEPS=1', 'TEST_FREQ=1', 'SAVE_FREQ=1', 'GCP=False')
-    env = {k: v for k, v in os.environ.items() if k not in trainer.RAGEN_ENV_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in RAGEN_ENV_VARS}
     done = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                            '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
                            str(ROOT/'tests'/'ddp_train.py'), *args],
@@ -975,7 +1006,7 @@ def test_two_processes_make_the_update_of_one(tok, tmp_path, estimator):
     "Token weights and whitening (GAE) or batch normalisation (BRPO) span both processes: the same update as one process."
     args = ['TRAIN_BATCH_SIZE=8', 'PPO_BATCH_SIZE=8', 'MICRO_BATCH_SIZE=1', 'KL_COEF=0', 'GRAD_CLIP=1e9', 'GCP=False',
             f'ADV_ESTIMATOR={estimator}', 'GROUP_SIZE=2']
-    env = {k: v for k, v in os.environ.items() if k not in trainer.RAGEN_ENV_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in RAGEN_ENV_VARS}
     done = subprocess.run([sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                            '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
                            str(ROOT/'tests'/'ddp_update.py'), str(tmp_path/'two.pt'), *args],

@@ -10,9 +10,10 @@ from ragen_nb.tokens import LLM, PROMPT
 from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, render_rgb, solve, ACTIONS
 from ragen_nb.rollout import rollout, ScriptedEngine, RolloutConfig
 from ragen_nb.viz import (write_rollouts, read_rollouts, read_records, find_room, first_room, rooms_before_after, room_rgb,
-                          trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs, token_strip,
-                          TrajectoryWidget, read_metrics, series, collapse_regions, plot_run, synthetic_metrics, PANELS,
+                          trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs,
+                          read_jsonl, read_metrics, series, collapse_regions, plot_run, synthetic_metrics, PANELS,
                           small_image)
+from ragen_nb.widget import token_strip, TrajectoryWidget
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
 ODD = 'not sure $\\frac{ 你好 √'   # an unparseable answer with mathtext, CJK and the box-on-target symbol
@@ -69,13 +70,28 @@ def test_token_stats_stored_and_checked(trajs, tmp_path):
         write_rollouts(trajs, tmp_path/'bad.jsonl', token_stats={'value': [[0.0] * len(trajs[0])]})
     assert not (tmp_path/'bad.jsonl').exists()
 
-@pytest.mark.parametrize('bad', ['{"step": 3, "ids": [1, 2', '{"step": 3}', '[1, 2, 3]'])
-def test_corrupt_line_names_file_and_line(trajs, tmp_path, bad):
+@pytest.mark.parametrize('bad,message', [('{"step": 3, "ids": [1, 2', r'r\.jsonl, line 3, is not a JSON record'),
+                                         ('{"step": 3}', r'r\.jsonl, record 3: not a trajectory written by write_rollouts'),
+                                         ('[1, 2, 3]', r'r\.jsonl, line 3, is not a JSON record')])
+def test_corrupt_line_names_file_and_line(trajs, tmp_path, bad, message):
+    "A whole line (it ends in a newline) that is damaged is an error naming the file and the line (read_jsonl) or record."
     path = tmp_path/'r.jsonl'
     write_rollouts(trajs[:2], path)
     with path.open('a') as f: f.write(bad + '\n')
-    with pytest.raises(ValueError, match=r'r\.jsonl, line 3: not a trajectory record'): read_rollouts(path)
-    with pytest.raises(FileNotFoundError, match='write_rollouts'): read_rollouts(tmp_path/'missing.jsonl')
+    with pytest.raises(ValueError, match=message): read_rollouts(path)
+    with pytest.raises(ValueError, match=message): TrajectoryWidget(path)
+    with pytest.raises(FileNotFoundError, match=r'missing\.jsonl does not exist'): read_rollouts(tmp_path/'missing.jsonl')
+
+def test_torn_last_line_is_left_out_with_a_warning(trajs, tmp_path):
+    "A process killed while appending leaves a last line without its newline: read_jsonl leaves it out and warns; once more lines follow it, it is damage."
+    path = tmp_path/'r.jsonl'
+    write_rollouts(trajs, path, step=1)
+    with path.open('a') as f: f.write('{"step": 2, "ids": [1, 2')
+    with pytest.warns(UserWarning, match=r'r\.jsonl, line 4: unfinished last line left out'):
+        assert read_rollouts(path) == trajs
+    with pytest.warns(UserWarning, match='unfinished last line'): assert len(read_jsonl(path)) == len(trajs)
+    with path.open('a') as f: f.write('\n{"step": 5}\n')
+    with pytest.raises(ValueError, match=r'r\.jsonl, line 4, is not a JSON record'): read_jsonl(path)
 
 # ---------------------------------------------------------------- frames
 def test_find_room():
@@ -262,7 +278,9 @@ def test_read_metrics_lines(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "score/me')
     with pytest.warns(UserWarning, match='line 3: unfinished last line'): assert read_metrics(tmp_path) == [{'step': 1}, {'step': 2}]
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=r'metrics\.jsonl, line 2: not JSON'): read_metrics(path)
+    with pytest.raises(ValueError, match=r'metrics\.jsonl, line 2, is not a JSON record'): read_metrics(path)
+    (tmp_path/'empty').mkdir()
+    with pytest.raises(FileNotFoundError, match=r'empty/metrics\.jsonl does not exist'): read_metrics(tmp_path/'empty')
 
 
 def test_small_image_keeps_the_figure_in_fewer_colours():

@@ -10,7 +10,8 @@ import pytest
 from ragen_nb.models import load_tokenizer
 from ragen_nb.rollout import rollout, ScriptedEngine, RolloutConfig
 from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, solve, ACTIONS
-from ragen_nb.viz import TrajectoryWidget, find_room
+from ragen_nb.viz import find_room
+from ragen_nb.widget import TrajectoryWidget
 
 HTML_MANAGER = '@jupyter-widgets/html-manager@1.0.15'   # the embed bundle matching ipywidgets 8 (html-manager ^1.0)
 ARTIFACT = Path(__file__).parent/'artifacts'/'widget.png'

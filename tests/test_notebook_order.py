@@ -1,0 +1,44 @@
+"The course reads in order: no notebook uses a module that a later notebook teaches, and every module is taught by one notebook."
+import json, re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT/'nbs').glob('[0-9][0-9]_*.ipynb'))
+
+def code(nb: Path) -> str:
+    return '\n'.join(''.join(c['source']) for c in json.loads(nb.read_text())['cells'] if c['cell_type'] == 'code')
+
+def taught() -> dict[str, int]:
+    "Module name -> number of the notebook that exports it (its `#| default_exp`)."
+    out = {}
+    for nb in NOTEBOOKS:
+        m = re.search(r'^#\|\s*default_exp\s+(\w+)', code(nb), re.M)
+        if m:
+            assert m.group(1) not in out, f'{m.group(1)} is exported by two notebooks'
+            out[m.group(1)] = int(nb.name[:2])
+    return out
+
+def used(nb: Path) -> set[str]:
+    "The ragen_nb modules a notebook's cells import."
+    text = code(nb)
+    names = set(re.findall(r'\bfrom ragen_nb\.(\w+) import', text)) | set(re.findall(r'\bimport ragen_nb\.(\w+)', text))
+    return names | set(re.findall(r'\bfrom ragen_nb import (\w+)', text))
+
+def test_every_library_module_is_taught_by_a_notebook():
+    modules = {p.stem for p in (ROOT/'ragen_nb').glob('*.py') if not p.stem.startswith('_')}
+    assert modules == set(taught()), f'modules without a notebook: {modules - set(taught())}; notebooks without a module: {set(taught()) - modules}'
+
+def test_no_notebook_uses_a_later_notebooks_module():
+    where, late = taught(), []
+    for nb in NOTEBOOKS:
+        me = int(nb.name[:2])
+        late += [f'{nb.name} uses ragen_nb.{m}, taught in notebook {where[m]:02d}' for m in sorted(used(nb)) if where.get(m, -1) > me]
+    assert not late, '\n'.join(late)
+
+def test_the_check_catches_a_late_import(tmp_path):
+    "The rule above is not vacuous: a notebook importing a later module is found."
+    nb = NOTEBOOKS[0]
+    cells = json.loads(nb.read_text())
+    cells['cells'].append(dict(cell_type='code', source=['from ragen_nb.trainer import train'], metadata={}, outputs=[], execution_count=None))
+    fake = tmp_path/nb.name; fake.write_text(json.dumps(cells))
+    assert 'trainer' in used(fake) and taught()['trainer'] > int(fake.name[:2])
