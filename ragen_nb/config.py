@@ -137,7 +137,7 @@ class RunSettings(Settings):
     weight_decay: float = setting(0.01, "AdamW weight decay (verl's default)")
     grad_clip: float = setting(1.0, 'max gradient norm')
     share_prefix: bool = setting(False, 'run the prompt start a micro-batch shares once per forward pass (05: the same logprobs up to float error)')
-    bf16: bool = setting(False, 'forward and backward passes under bf16 autocast, weights and AdamW in fp32 (12); faster only where the CPU or GPU has bf16 units')
+    bf16: bool = setting(False, 'forward and backward passes under bf16 autocast, weights and AdamW in fp32 (01); faster only where the CPU or GPU has bf16 units')
 
     @property
     def env_settings(self) -> EnvSettings:
@@ -189,8 +189,8 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
                   'CURRICULUM_STEPS=20', 'CURRICULUM_SEARCH_DEPTH=4', 'CURRICULUM_MAX_TURNS=2',
                   'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
                   'LORA_RANK=16', 'ADV_ESTIMATOR=gigpo', 'GIGPO_NORM=maxrl', 'STEP_ADV_COEF=1', 'ACTOR_LR=5e-4', 'KL_COEF=0',
-                  'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=True', 'BF16=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64',
-                  'TEST_FREQ=8', 'TOTAL_STEPS=32', 'SAVE_FREQ=8', 'ROLLOUT_ENGINE=auto', 'ENFORCE_EAGER=True',
+                  'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=False', 'BF16=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64',
+                  'TEST_FREQ=8', 'TOTAL_STEPS=32', 'SAVE_FREQ=8', 'ROLLOUT_ENGINE=hf',
                   'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8', 'LOG_N_IMAGE_PER_BATCH=2'],
 }
 RECIPES = {**CPU_RECIPES, **RAGEN_RECIPES}
