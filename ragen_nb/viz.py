@@ -312,6 +312,7 @@ def small_image(fig, dpi: int = 72, colours: int = 64):
     from IPython.display import Image
     import matplotlib.pyplot as plt
     png, small = io.BytesIO(), io.BytesIO()
-    fig.savefig(png, format='png', dpi=dpi, bbox_inches='tight'); plt.close(fig)
+    with quiet_glyphs(): fig.savefig(png, format='png', dpi=dpi, bbox_inches='tight')
+    plt.close(fig)
     PILImage.open(png).convert('RGB').quantize(colours).save(small, format='png', optimize=True)
     return Image(small.getvalue())

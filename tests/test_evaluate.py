@@ -147,6 +147,21 @@ def test_baseline_rows_on_hand_rooms():
     assert (bfs['success_low'], bfs['success_high']) == pytest.approx((lo, hi))
 
 
+def test_success_by_solution_length_on_hand_rooms():
+    "A needs 1 move, B 2 (Up, Right), C 3 (Right x3): by_length splits each baseline's hand-counted successes by that length."
+    assert [len(solve(*r, max_depth=3)) for r in (A, B, C)] == [1, 2, 3]
+    rows = {r['policy']: r['by_length'] for r in baseline_rows([A, B, C], [A, B], 3)}
+    for room, key in ((A, '1'), (B, '2'), (C, '3')):
+        solved = (solve_steps_loop(*room, 3) > 0).mean()      # the plain env loop, not the array version by_length used
+        assert rows['uniform random'][key] == dict(rooms=1, success_rate=pytest.approx(solved))
+    assert rows['uniform random']['3']['success_rate'] == pytest.approx(1 / 64)   # only Right, Right, Right solves C
+    assert {k: v['success_rate'] for k, v in rows['BFS optimum'].items()} == {'1': 1.0, '2': 1.0, '3': 1.0}
+    # the fixed sequence chosen on A and B is Up, Right, then a first-in-order third move: it solves A and B, not C
+    assert {k: v['success_rate'] for k, v in rows['best fixed sequence'].items()} == {'1': 1.0, '2': 1.0, '3': 0.0}
+    two = {r['policy']: r['by_length'] for r in baseline_rows([A, B, C], [A, B], 2)}
+    assert set(two['BFS optimum']) == {'1', '2', 'none'} and two['BFS optimum']['none'] == dict(rooms=1, success_rate=0.0)
+
+
 def test_best_fixed_sequence_is_chosen_on_training_rooms_only():
     # trained on C's three-move plan, the fixed sequence is Right, Right, Right, which solves A and C but not B
     rows = baseline_rows([A, B, C], [C], 3)

@@ -42,3 +42,23 @@ def test_the_check_catches_a_late_import(tmp_path):
     cells['cells'].append(dict(cell_type='code', source=['from ragen_nb.trainer import train'], metadata={}, outputs=[], execution_count=None))
     fake = tmp_path/nb.name; fake.write_text(json.dumps(cells))
     assert 'trainer' in used(fake) and taught()['trainer'] > int(fake.name[:2])
+
+def outputs(nb: Path) -> list[str]:
+    "The text of every stored output of a notebook (streams, results, errors; images left out)."
+    out = []
+    for c in json.loads(nb.read_text())['cells']:
+        for o in c.get('outputs', []) if c['cell_type'] == 'code' else []:
+            if 'text' in o: out.append(''.join(o['text']))
+            out += [''.join(v) for k, v in o.get('data', {}).items() if k.startswith('text/')]
+            out += o.get('traceback', [])
+    return out
+
+def test_every_notebook_keeps_its_outputs():
+    "The prose states results that the stored outputs show: a notebook saved without them (nbdev_clean with clear_all) would hide them."
+    empty = [nb.name for nb in NOTEBOOKS if not outputs(nb)]
+    assert not empty, f'notebooks with no stored outputs (run them and save): {empty}'
+
+def test_stored_outputs_name_no_path_of_the_machine():
+    found = [f'{nb.name}: {m.group(0)}' for nb in NOTEBOOKS for text in outputs(nb)
+             for m in re.finditer(r'/(?:tmp|work|home|root|Users)/\S*', text)]
+    assert not found, 'stored outputs that name a path of the machine they ran on:\n' + '\n'.join(found[:20])

@@ -921,7 +921,7 @@ def test_a_critic_free_run_builds_saves_and_resumes_without_a_critic(tiny_dir, t
     cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps))
     _, _, critic, ref = _load_models(cfg, None)
     assert critic is None and ref is None
-    calls, val_calls = spy(monkeypatch, 'rollout'), spy(monkeypatch, 'play')   # training rollouts; validation plays (11)
+    calls, val_calls = spy(monkeypatch, 'rollout'), spy(monkeypatch, 'play')   # training rollouts; validation plays (10)
     whole = train(cfg, progress=False)
     assert 'rollout engine: hf' in capsys.readouterr().out
     assert sorted(p.name for p in Path(whole['checkpoint']).iterdir()) == ['actor', 'state.pt']   # no critic/ folder
@@ -1038,7 +1038,7 @@ def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tm
     assert (tmp_path/'img'/'curves.png').stat().st_size > 10_000
 
 
-# --- vLLM rollouts (08) -------------------------------------------------------------------------------------------------
+# --- vLLM rollouts (12) -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('eager', [False, True])
 def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path, monkeypatch, eager):
