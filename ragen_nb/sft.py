@@ -197,7 +197,7 @@ def train_seeds(cfg: SFTConfig) -> list[int]:
     return list(split_seeds(**DEFAULT_SPLITS)['train'])
 
 def val_seeds(cfg: SFTConfig) -> list[int]:
-    "The first `val_rooms` held-out rooms: `data_dir`'s test.parquet when it exists, else the seeds after the training range (11)."
+    "The first `val_rooms` held-out rooms: `data_dir`'s test.parquet when it exists, else the seeds after the training range (10)."
     data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
     return heldout_seeds(cfg.val_rooms, data, cfg.env_settings)
 
@@ -213,7 +213,7 @@ def demonstration_stream(tokenizer, seeds: list[int], settings: EnvSettings, cfg
 SFT_FILE = 'sft.json'
 
 def validate_model(model, tokenizer, seeds: list[int], settings: EnvSettings, cfg: RolloutConfig) -> dict:
-    "`val/` metrics of greedy play on `seeds` with 11's `play` and `trajectory_metrics`: success and its Wilson interval, valid answers, turns."
+    "`val/` metrics of greedy play on `seeds` with 10's `play` and `trajectory_metrics`: success and its Wilson interval, valid answers, turns."
     trajs = play(SharedPrefixEngine(model, tokenizer), tokenizer, seeds, settings, dataclasses.replace(cfg, temperature=0.0), progress=False)
     m = trajectory_metrics(trajs)
     return {f'val/{k}': m[k] for k in ('rooms', 'success_rate', 'success_low', 'success_high', 'valid_action_rate', 'mean_turns')}
