@@ -9,9 +9,8 @@ __all__ = ['LR_SCHEDULERS', 'SFT_FILE', 'think_text', 'answer_text', 'solution',
 
 # %% ../nbs/17_sft.ipynb #44ff93b2
 import dataclasses, itertools, json, sys, time, warnings
-from typing import ClassVar
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import numpy as np
 import torch
