@@ -65,7 +65,7 @@ def room_action_mi(rooms: Sequence, actions: Sequence, shuffles: int = 20, seed:
 # %% ../nbs/10_evaluate.ipynb #bdfab44c
 import dataclasses, functools, itertools, time
 
-from .data import load_split, split_seeds
+from .data import DEFAULT_SPLITS, load_split, split_seeds
 from .sokoban import (ACTIONS, BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, TARGET, EnvSettings, SokobanEnv,
                               generate_room, solve)
 
@@ -81,8 +81,8 @@ def cached_room(settings: EnvSettings, seed: int) -> tuple[np.ndarray, np.ndarra
     "`generate_room(settings, seed)`, generated once per process (read-only arrays)."
     return _generated(dataclasses.astuple(settings.validate()), seed)
 
-def heldout_seeds(n: int, data=None, settings: EnvSettings | None = None, seed: int = 10000,
-                  train_size: int = 10000) -> list[int]:
+def heldout_seeds(n: int, data=None, settings: EnvSettings | None = None, seed: int = DEFAULT_SPLITS['seed'],
+                  train_size: int = DEFAULT_SPLITS['train_size']) -> list[int]:
     "`n` held-out seeds: the first `n` of `data`/test.parquet, else the `n` seeds after the training range `seed…seed+train_size-1`."
     if data is None: return list(split_seeds(seed, train_size, n)['test'])
     seeds = [row['seed'] for row in load_split(Path(data) / 'test.parquet', settings)]
@@ -193,7 +193,7 @@ def turn_budget(settings: EnvSettings, max_turns: int) -> int:
     return min(max_turns, settings.max_steps)
 
 def baselines(settings: EnvSettings, max_turns: int = 5, n: int = 200, train_rooms: int = 1000, data=None,
-              seed: int = 10000, train_size: int = 10000) -> list[dict]:
+              seed: int = DEFAULT_SPLITS['seed'], train_size: int = DEFAULT_SPLITS['train_size']) -> list[dict]:
     "`baseline_rows` on `n` held-out rooms (`heldout_seeds`), the fixed sequence chosen on the first `train_rooms` training seeds."
     if not 1 <= train_rooms <= train_size:
         raise ValueError(f'train_rooms={train_rooms}: choose the fixed sequence on 1 to {train_size} training rooms')
