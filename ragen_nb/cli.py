@@ -17,7 +17,7 @@ from .rollout import RolloutConfig
 from .viz import read_jsonl
 from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format_moves, format_table, heldout_seeds,
                                model_rows, turn_budget)
-from .engines import SharedPrefixEngine, VLLMEngine, vllm_available
+from .engines import SharedPrefixEngine, TurnCacheEngine, VLLMEngine, vllm_available
 from .config import Config, RECIPES
 from .checkpoint import checkpoints, checkpoint_problem, latest_checkpoint
 
@@ -44,24 +44,24 @@ def eval_plan(n: int = 200, data: str | None = None, settings: EnvSettings | Non
                         template=template, think=think, coordinates=coordinates)
     return dict(seeds=heldout_seeds(n, data, settings), settings=settings, cfg=cfg)
 
-def _engine(name: str, kind: str):
-    "(engine, tokenizer) for model `name`: HF generate on the loaded model (`SharedPrefixEngine`), or an eager vLLM engine on its folder."
+def _engine(name: str, kind: str, turn_cache: bool = False):
+    "(engine, tokenizer) for model `name`: HF generate on the loaded model (`SharedPrefixEngine`, or `TurnCacheEngine` with `turn_cache`), or an eager vLLM engine on its folder."
     tok = load_tokenizer(name)
-    if kind == 'hf': return SharedPrefixEngine(load_model(name), tok), tok
+    if kind == 'hf': return (TurnCacheEngine if turn_cache else SharedPrefixEngine)(load_model(name), tok), tok
     return VLLMEngine(resolve(name), tok, dtype=str(default_dtype()).removeprefix('torch.'), enforce_eager=True), tok
 
 def evaluate(model: str = EMBEDDED, base: str | None = EMBEDDED, n: int = 200, data: str | None = None,
              settings: EnvSettings | None = None, max_turns: int = 5, max_response_length: int = 24,
              template: str = 'qwen-instruct', think: bool = False, coordinates: bool = False, temperatures=(0.0, 0.5),
              samples: int = 4, chunk_size: int = 32, engine: str = 'hf', train_rooms: int = 1000, seed: int = 0,
-             progress: bool = True, base_temperatures=None) -> list[dict]:
+             progress: bool = True, base_temperatures=None, turn_cache: bool = False) -> list[dict]:
     "The eval table's rows on `n` held-out rooms: `model` and `base` (None or the same name: skipped) at each of `temperatures` (`base` at `base_temperatures` if given), then the baselines."
     names = [model] + ([base] if base not in (None, model) else [])
     plan = eval_plan(n, data, settings, max_turns, max_response_length, template, think, coordinates, temperatures, samples, chunk_size,
                      engine, train_rooms, names)
     rows = []
     for name, label in zip(names, ('model', 'base')):
-        eng, tok = _engine(name, engine)
+        eng, tok = _engine(name, engine, turn_cache)
         temps = base_temperatures if label == 'base' and base_temperatures is not None else temperatures
         rows += model_rows(eng, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temps, samples, chunk_size, seed, progress)
         del eng; gc.collect()
@@ -88,7 +88,7 @@ def eval_main(args: argparse.Namespace) -> int:
         settings = EnvSettings.from_env(**rooms)
         rows = evaluate(args.model, base, args.n, args.data, settings, args.max_turns, args.max_response_length,
                         args.template, args.think, args.coordinates, args.temperatures, args.samples, args.chunk_size, args.engine,
-                        args.train_rooms, args.seed)
+                        args.train_rooms, args.seed, turn_cache=args.turn_cache)
     except (ValueError, OSError) as e:
         print(f'ragen_nb eval: error: {e}', file=sys.stderr); return 2
     seconds = time.perf_counter() - start
@@ -186,6 +186,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument('--coordinates', action='store_true', help='add the (row, column) of the player, boxes and targets under each '
                    'room, as a run trained with COORDINATES=true saw them')
     e.add_argument('--engine', choices=('hf', 'vllm'), default='hf', help='HF generate, or vLLM (eager) if installed')
+    e.add_argument('--turn_cache', action='store_true', help="with --engine hf: keep each episode's keys and values from turn to turn "
+                   '(12): the same answers to float rounding, faster on long episodes')
     e.add_argument('--chunk_size', type=int, default=32, help='episodes per generate batch (memory grows with it)')
     e.add_argument('--train_rooms', type=int, default=1000, help='training rooms on which the best fixed sequence is chosen')
     e.add_argument('--seed', type=int, default=0, help='sampling seed')
@@ -243,7 +245,8 @@ def recipe_eval(argv: list[str], n: int = 200, samples: int = 2) -> int:
     engine = 'vllm' if cfg.rollout_engine != 'hf' and vllm_available() else 'hf'   # judged by the engine the run sampled with
     try:
         rows = evaluate(str(checkpoint), cfg.base_model, n, data, settings, cfg.max_turns, cfg.max_response_length, cfg.template,
-                        cfg.think, cfg.coordinates, temperatures=(0.0, 0.5), samples=samples, engine=engine, base_temperatures=(0.0,))
+                        cfg.think, cfg.coordinates, temperatures=(0.0, 0.5), samples=samples, engine=engine, base_temperatures=(0.0,),
+                        turn_cache=cfg.turn_cache)
     except (ValueError, OSError) as e:   # e.g. a curated test split of fewer than n rooms: the run itself is saved
         print(f"error: {checkpoint} is saved, but judging it failed: {' '.join(str(e).split())}; judge it with "
               f"`ragen_nb eval --model {checkpoint}` and the fix above", file=sys.stderr)

@@ -190,7 +190,7 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
                   'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
                   'LORA_RANK=16', 'ADV_ESTIMATOR=gigpo', 'GIGPO_NORM=maxrl', 'STEP_ADV_COEF=1', 'ACTOR_LR=5e-4', 'KL_COEF=0',
                   'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=False', 'BF16=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64',
-                  'TEST_FREQ=8', 'TOTAL_STEPS=32', 'SAVE_FREQ=8', 'ROLLOUT_ENGINE=hf',
+                  'TEST_FREQ=0', 'TOTAL_STEPS=28', 'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf', 'TURN_CACHE=True',
                   'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8', 'LOG_N_IMAGE_PER_BATCH=2'],
 }
 RECIPES = {**CPU_RECIPES, **RAGEN_RECIPES}
@@ -236,6 +236,7 @@ class Config(RunSettings):
     val_samples: int = setting(1, 'rollouts per test room at validation; more than 1 needs val_temperature > 0')
     critic: str = setting('separate', "'separate': own trunk, as RAGEN and verl; 'shared': a value head on the actor's final hidden states (07)")
     rollout_engine: str = setting('auto', "'hf' (HF generate on the actor), 'vllm' (12, synced after each update) or 'auto' (vllm if installed)")
+    turn_cache: bool = setting(False, "HF generate keeps each row's keys and values from one turn to the next (12, TurnCacheEngine): the same answers to float rounding, fewer tokens run in long episodes")
     gpu_memory_utilization: float = setting(0.3, 'share of GPU memory the vLLM engine may reserve (on a CPU it takes a 2 GiB KV cache)')
     enforce_eager: bool = setting(False, 'vLLM without torch.compile and CUDA graphs: starts in seconds, decodes slower (12)')
     log_images: bool = setting(False, "draw trajectories (PNG + PDF) and append them to rollouts.jsonl (RAGEN's logging.log_images)")

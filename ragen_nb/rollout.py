@@ -85,8 +85,8 @@ class Engine(Protocol):
     "What `rollout` asks of a sampler."
     name: str   # what the trainer logs as `rollout/engine`
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None) -> list[tuple[list[int], list[float]]]:
-        "For each prompt (a list of ids), the new ids, cut at eos or after `</answer>`, and the logprob of each under the model at `temperature` (0: greedy); reproducible for a given `seed`."
+                 seed: int | None = None, continues: bool = False) -> list[tuple[list[int], list[float]]]:
+        "For each prompt (a list of ids), the new ids, cut at eos or after `</answer>`, and the logprob of each under the model at `temperature` (0: greedy); reproducible for a given `seed`. `continues`: each prompt extends one of the previous call's prompts and its answer, with the weights unchanged since, so an engine may reuse what it computed then."
         ...
 
 class HFEngine:
@@ -96,33 +96,38 @@ class HFEngine:
         if tokenizer.pad_token_id is None: raise ValueError('the tokenizer needs a pad token: set tokenizer.pad_token = tokenizer.eos_token')
         self.model, self.tokenizer = model, tokenizer
 
-    def _inputs(self, prompts: list[list[int]]) -> tuple:
-        "`generate`'s input ids, attention mask and cache: the prompts padded on the left, no cache."
+    def _inputs(self, prompts: list[list[int]], continues: bool = False) -> tuple:
+        "`generate`'s input ids, attention mask and cache: the prompts padded on the left, no cache (each call starts afresh)."
         width, pad = max(map(len, prompts)), self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=self.model.device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
         return input_ids, attention_mask, None
 
+    def _keep(self, prompts: list[list[int]], attention_mask: torch.Tensor, new: list[list[int]], ends: list[int], cache):
+        "What to keep of a call for the next one: nothing here (`12_engines` keeps the keys and values)."
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
+                 seed: int | None = None, continues: bool = False, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
         "For each prompt (a list of ids), the new ids and their logprobs under the model at `temperature`."
         if not prompts: return []
         check_sampling(max_new_tokens, temperature, top_p)
-        input_ids, attention_mask, cache = self._inputs(prompts)
+        input_ids, attention_mask, cache = self._inputs(prompts, continues)
         width, pad, device = input_ids.shape[1], self.tokenizer.pad_token_id, self.model.device
         sampler, stop = _SampleAndRecord(temperature, top_p), _StopAtAnswer(self.tokenizer, width, stop_at_answer)
         sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
-        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=pad, **sampling)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=pad,
+                                  return_dict_in_generate=True, **sampling)
         forked = torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []) if seed is not None else nullcontext()
         with forked:
             if seed is not None: torch.manual_seed(seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, generation_config=config,
                                       logits_processor=LogitsProcessorList([sampler]),
                                       stopping_criteria=StoppingCriteriaList([stop]))
-        sampler.read(out[:, -1])
-        new, logprobs = out[:, width:].tolist(), torch.stack(sampler.logprobs, dim=1).tolist()
+        sampler.read(out.sequences[:, -1])
+        new, logprobs = out.sequences[:, width:].tolist(), torch.stack(sampler.logprobs, dim=1).tolist()
         ends = [end or len(row) for end, row in zip(stop.ends, new)]
+        self._keep(prompts, attention_mask, new, ends, out.past_key_values)
         return [(row[:end], lps[:end]) for row, lps, end in zip(new, logprobs, ends)]
 
 # %% ../nbs/04_rollout.ipynb #a31246c9
@@ -199,7 +204,7 @@ def rollout(engine: Engine, tokenizer, seeds: list[int], settings: EnvSettings |
     for turn in range(1, cfg.max_turns + 1):
         if not active: break
         outs = engine.generate([trajs[i].ids for i in active], cfg.max_response_length, cfg.temperature, cfg.top_p,
-                               seed=_turn_seed(seed, turn))
+                               seed=_turn_seed(seed, turn), continues=turn > 1)
         still = []
         for i, (ids, logprobs) in zip(active, outs):
             traj, env = trajs[i], envs[i]
@@ -232,7 +237,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, reply: Callable[[str], str]): self.tokenizer, self.reply = tokenizer, reply
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None) -> list[tuple[list[int], list[float]]]:
+                 seed: int | None = None, continues: bool = False) -> list[tuple[list[int], list[float]]]:
         "For each prompt, the scripted reply's ids (at most `max_new_tokens`) and zero logprobs."
         outs = [self.tokenizer.encode(self.reply(self.tokenizer.decode(p)), add_special_tokens=False)[:max_new_tokens] for p in prompts]
         return [(ids, [0.0] * len(ids)) for ids in outs]

@@ -392,7 +392,7 @@ def setup(cfg: Config) -> Setup:
     else: actor, critic, actor_opt, critic_opt = acc.prepare(actor, critic, actor_opt, critic_opt)
     policy = acc.unwrap_model(actor)
     kind = cfg.rollout_engine if acc.num_processes == 1 and cfg.rollout_tp_size == 1 else 'hf'   # 'auto' falls back to HF
-    engine = make_engine(kind, policy, tok, resolve(str(checkpoint or cfg.base_model)), seed=cfg.seed,
+    engine = make_engine(kind, policy, tok, resolve(str(checkpoint or cfg.base_model)), cfg.turn_cache, seed=cfg.seed,
                          gpu_memory_utilization=cfg.gpu_memory_utilization if torch.cuda.is_available() else None,
                          tensor_parallel_size=cfg.rollout_tp_size, enforce_eager=cfg.enforce_eager)
     return Setup(acc, local, run, seeds, tok, actor, policy, critic, ref, actor_opt, critic_opt, engine, checkpoint, done)

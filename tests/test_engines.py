@@ -7,7 +7,7 @@ from ragen_nb.data import render_prompt
 from ragen_nb.masking import collate, forward_logprobs
 from ragen_nb.rollout import HFEngine, RolloutConfig, rollout, truncate_after_answer, CLOSE
 from ragen_nb.tokens import LLM
-from ragen_nb.engines import (SharedPrefixEngine, SyncedEngine, VLLMEngine, make_engine, vllm_available,
+from ragen_nb.engines import (SharedPrefixEngine, TurnCacheEngine, SyncedEngine, VLLMEngine, make_engine, vllm_available,
                               logprob_mismatch_kl)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
@@ -52,8 +52,34 @@ def test_make_engine_hf_and_bad_kind():
     hf = make_engine('hf', actor, tok, 'unused')
     assert type(hf) is SharedPrefixEngine and isinstance(hf, HFEngine) and hf.name == 'hf'   # the HF engine that shares the prompt start
     assert not isinstance(hf, SyncedEngine)                                     # it samples from the actor: nothing to sync
+    assert type(make_engine('hf', actor, tok, 'unused', turn_cache=True)) is TurnCacheEngine
     with pytest.raises(ValueError, match="'hf', 'vllm' or 'auto'"): make_engine('sglang', actor, tok, 'unused')
     if not vllm_available(): assert type(make_engine('auto', actor, tok, 'unused')) is SharedPrefixEngine
+
+@functools.cache
+def smollm(): return load_model().eval()
+
+def tokens_run(engine, *args, **kwargs) -> tuple[int, list]:
+    "The trajectories of `rollout(engine, *args, **kwargs)`, and how many ids (padding included) went through the model."
+    seen = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args, kw: seen.append(kw['input_ids'].numel()), with_kwargs=True)
+    try: trajs = rollout(engine, *args, **kwargs)
+    finally: hook.remove()
+    return sum(seen), trajs
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_turn_cache_plays_as_the_plain_engine_and_runs_fewer_tokens(temperature):
+    "Four 6x6 rooms, three turns, on the real SmolLM2: the same answers, actions and rewards as `HFEngine`, which reruns every turn's whole context; logprobs to float rounding."
+    tok, model = tokenizer(), smollm()
+    cfg = RolloutConfig(max_turns=3, max_response_length=8, temperature=temperature, format_penalty=-1)
+    seeds = [20000, 20001, 20002, 20000]   # one room twice, as in a group
+    ran_plain, plain = tokens_run(HFEngine(model, tok), tok, seeds, SETTINGS, cfg, seed=3)
+    ran_cached, cached = tokens_run(TurnCacheEngine(model, tok), tok, seeds, SETTINGS, cfg, seed=3)
+    assert max(len(t.actions) for t in plain) == 3                             # some episode reached turn 3, so the cache was used
+    for a, b in zip(plain, cached):
+        assert (a.ids, a.actions, a.rewards, a.success) == (b.ids, b.actions, b.rewards, b.success)
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert ran_cached < ran_plain / 2, (ran_cached, ran_plain)
 
 def test_tensor_parallel_engines_are_refused_before_they_start():
     pytest.importorskip('vllm')
