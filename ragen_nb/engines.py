@@ -35,7 +35,7 @@ class SharedPrefixEngine(HFEngine):
         cache.batch_repeat_interleave(len(prompts))
         return input_ids, attention_mask, cache
 
-# %% ../nbs/12_engines.ipynb #dda9954c
+# %% ../nbs/12_engines.ipynb #a4124304
 class TurnCacheEngine(SharedPrefixEngine):
     "`SharedPrefixEngine` that keeps each row's keys and values after a call; a call that `continues` runs only each prompt's ids past the longest kept ids it starts with."
     def __init__(self, model, tokenizer):
