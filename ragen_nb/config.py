@@ -190,7 +190,7 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
                   'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
                   'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0',
                   'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=False', 'BF16=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64',
-                  'TEST_FREQ=0', 'TOTAL_STEPS=28', 'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf', 'TURN_CACHE=True',
+                  'TEST_FREQ=0', 'TOTAL_STEPS=24', 'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf', 'TURN_CACHE=True',
                   'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8', 'LOG_N_IMAGE_PER_BATCH=2'],
 }
 RECIPES = {**CPU_RECIPES, **RAGEN_RECIPES}
