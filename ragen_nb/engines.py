@@ -140,8 +140,8 @@ class VLLMEngine:
         random.setstate(python_state); np.random.set_state(numpy_state)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
-        "For each prompt (a list of ids), the new ids and their logprobs under the model at `temperature`."
+                 seed: int | None = None, continues: bool = False, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
+        "For each prompt (a list of ids), the new ids and their logprobs under the model at `temperature`; `continues` is accepted and ignored."
         from vllm import SamplingParams
         if not prompts: return []
         check_sampling(max_new_tokens, temperature, top_p)
