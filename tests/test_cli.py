@@ -99,7 +99,7 @@ def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypat
 def test_eval_coordinates_reach_the_rollout_and_the_json(tmp_path, monkeypatch):
     import ragen_nb.cli as cli
     seen = []
-    monkeypatch.setattr(cli, '_engine', lambda name, kind: (None, None))
+    monkeypatch.setattr(cli, '_engine', lambda name, kind, turn_cache=False: (None, None))
     monkeypatch.setattr(cli, 'model_rows', lambda engine, tok, seeds, settings, cfg, *a: seen.append(cfg) or [])
     for flag in ([], ['--coordinates']):
         out = tmp_path/f'eval{len(flag)}.json'
