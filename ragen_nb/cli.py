@@ -15,7 +15,7 @@ from .data import DEFAULT_SPLITS, SPLITS, TEMPLATES, curate, split_seeds
 from .models import EMBEDDED, check_model, default_dtype, load_model, load_tokenizer, resolve
 from .rollout import RolloutConfig
 from .viz import read_jsonl
-from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format_moves, format_table, heldout_seeds,
+from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format_moves, format_paired, format_table, heldout_seeds,
                                model_rows, turn_budget)
 from .engines import SharedPrefixEngine, TurnCacheEngine, VLLMEngine, vllm_available
 from .config import Config, RECIPES
@@ -68,8 +68,9 @@ def evaluate(model: str = EMBEDDED, base: str | None = EMBEDDED, n: int = 200, d
     return rows + baselines(plan['settings'], max_turns, n, train_rooms, data)
 
 def print_tables(rows: list[dict]):
-    "The eval table, the same rows by shortest solution, and each model row's moves turn by turn."
+    "The eval table, the same rows by shortest solution, each model row's moves turn by turn, and the model against the base room by room."
     print(format_table(rows)); print(); print(format_by_length(rows)); print(); print(format_moves(rows))
+    if paired := format_paired(rows): print(); print(paired)
 
 def write_json(path, rows: list[dict], **info) -> Path:
     "Write the table and what produced it as JSON (nan as null), so runs can be kept in data/."

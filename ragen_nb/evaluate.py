@@ -6,7 +6,7 @@
 __all__ = ['MAX_ENUMERATED_TURNS', 'NO_MI', 'COLUMNS', 'wilson_interval', 'mi_from_counts', 'room_action_mi', 'cached_room',
            'heldout_seeds', 'action_sequences', 'solve_steps_loop', 'solve_steps', 'by_length', 'baseline_rows',
            'turn_budget', 'baselines', 'format_table', 'format_by_length', 'play', 'trajectory_metrics', 'move_quality',
-           'format_moves', 'solution_lengths', 'model_rows']
+           'format_moves', 'solution_lengths', 'model_rows', 'paired_difference', 'format_paired']
 
 # %% ../nbs/10_evaluate.ipynb #35ddc277
 import math
@@ -315,7 +315,7 @@ def solution_lengths(seeds: Sequence[int], settings: EnvSettings, turns: int) ->
 def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, cfg: RolloutConfig, name: str = 'model',
                temperatures: Sequence[float] = (0.0, 0.5), samples: int = 4, chunk_size: int = 32, seed: int = 0,
                progress: bool = True) -> list[dict]:
-    "One row per temperature: `trajectory_metrics`, success `by_length` and, per turn, `move_quality` (`moves`); greedy (0) plays each room once, a positive temperature `samples` times."
+    "One row per temperature: `trajectory_metrics`, success `by_length`, each room's success in `seeds`' order (`per_room`) and, per turn, `move_quality` (`moves`); greedy (0) plays each room once, a positive temperature `samples` times."
     rows, lengths = [], solution_lengths(seeds, settings, turn_budget(settings, cfg.max_turns))
     for temperature in temperatures:
         label, k = ('greedy', 1) if temperature == 0 else (f'T={temperature:g}', samples)
@@ -324,6 +324,29 @@ def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, c
                      seed, progress, desc=f'{name} {label}')
         solved = {s: np.mean([t.success for t in trajs if t.seed == s]) for s in seeds}
         rows.append(dict(policy=f'{name} {label}', **trajectory_metrics(trajs, seed=seed),
-                         by_length=by_length([solved[s] for s in seeds], lengths),
+                         by_length=by_length([solved[s] for s in seeds], lengths), per_room=[float(solved[s]) for s in seeds],
                          moves=move_quality(trajs, settings, cfg.max_turns), note=f'{k} per room, {time.perf_counter() - start:.0f} s'))
     return rows
+
+# %% ../nbs/10_evaluate.ipynb #1dfaf121
+def paired_difference(a: Sequence[float], b: Sequence[float], z: float = 1.96) -> dict:
+    "Mean of `a - b`, each room's success under two policies in the same room order, with a 95% interval over rooms (normal, sample sd) and the rooms better and worse."
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.ndim != 1 or a.shape != b.shape or len(a) < 2:
+        raise ValueError(f'{a.shape} and {b.shape}: give one success per room for both policies, the same rooms in the same order, at least 2')
+    d = a - b
+    half = z * d.std(ddof=1) / math.sqrt(len(d))
+    return dict(difference=float(d.mean()), low=float(d.mean() - half), high=float(d.mean() + half), rooms=len(d),
+                better=int((d > 0).sum()), worse=int((d < 0).sum()))
+
+def format_paired(rows: list[dict]) -> str:
+    "One line for each `model` row that has a `base` row at the same temperature: their `paired_difference` on the same rooms."
+    named = {r['policy']: r for r in rows if r.get('per_room')}
+    lines = []
+    for policy, row in named.items():
+        base = named.get(policy.replace('model ', 'base ', 1)) if policy.startswith('model ') else None
+        if base is None: continue
+        d = paired_difference(row['per_room'], base['per_room'])
+        lines.append(f"{policy} - base {policy.removeprefix('model ')}: {d['difference']:+.3f} (95% interval {d['low']:+.3f} to "
+                     f"{d['high']:+.3f}) on the same {d['rooms']} rooms, better on {d['better']}, worse on {d['worse']}")
+    return '\n'.join(lines)

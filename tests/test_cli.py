@@ -164,6 +164,7 @@ def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, c
     assert [r['policy'] for r in table['rows']] == ['model greedy', 'model T=0.5', 'base greedy', 'uniform random',
                                                     'best fixed sequence', 'BFS optimum']
     assert all(r['rooms'] == 3 for r in table['rows']) and 'BFS optimum' in out
+    assert all(len(r['per_room']) == 3 for r in table['rows'][:3]) and 'model greedy - base greedy:' in out   # room by room
     assert table['rows'][1]['episodes'] == 6 and table['base'] == str(tmp_path/'tiny')   # 2 samples per room: the MI has pairs
     from ragen_nb.cli import main
     main(['data', '--output', str(tmp_path/'rooms'), '--train_size', '3', '--test_size', '2'])   # 2 test rooms, 3 asked
