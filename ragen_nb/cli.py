@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
                        'and the room/first-action MI against its shuffled null. Room settings come from DIM_X, DIM_Y, '
                        'NUM_BOXES, MAX_STEPS, SEARCH_DEPTH unless given as options.')
     e.add_argument('--model', default=EMBEDDED, help=f'{EMBEDDED}, an HF hub id, a model folder or a checkpoint')
-    e.add_argument('--base', default=EMBEDDED, help='the untrained model to compare with (skipped when it is --model)')
+    e.add_argument('--base', default=EMBEDDED, help='the model to compare with on the same rooms, room by room: the untrained one, or a checkpoint such as the SFT one an RL run started from (skipped when it is --model)')
     e.add_argument('--no-base', action='store_true', help='no base-model rows')
     e.add_argument('--n', type=int, default=200, help='held-out rooms')
     e.add_argument('--data', default=None, help='dataset folder whose test.parquet gives the rooms (default: the seeds after the '
