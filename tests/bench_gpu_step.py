@@ -3,8 +3,8 @@
     python tests/bench_gpu_step.py [--shape qwen2.5-0.5b] [--steps 4] [--variants lora full] [--tokenizer DIR] [KEY=value ...]
 
 For a GPU machine with no model hub: it builds a model of the shape's size with random weights (what a step costs does
-not depend on what the weights know), saves it with a tokenizer (default: the embedded SmolLM2's; its ids are a subset
-of Qwen2.5's vocabulary, so sampled ids beyond it decode to nothing) and trains it with `RECIPE=ragen-6x6 CURRICULUM_STEPS=0`
+not depend on what the weights know), saves it with a tokenizer (default: the embedded SmolLM2's, whose 49152 ids fit in
+the shape's vocabulary; sampled ids beyond them decode to nothing) and trains it with `RECIPE=ragen-6x6 CURRICULUM_STEPS=0`
 (RAGEN's setting from the first step: 6x6, SEARCH_DEPTH=30, 5 turns) for `--steps` steps per variant, in this process:
 `lora` is the recipe (LoRA rank 16), `full` trains every weight (LORA_RANK=0). A random policy rarely answers with an
 action, so its turns and tokens differ from a trained one's; the figures are throughput and memory, not learning.
