@@ -23,7 +23,7 @@ from .data import DEFAULT_SPLITS, positions, render_prompt, observation_message,
 from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, env_reply
 from .masking import Batch, collate, masked_mean, llm_forward
-from .models import check_model, cpu_has_bf16, default_device, load_model, load_tokenizer, with_lora
+from .models import check_model, cpu_has_bf16, load_model, load_tokenizer, with_lora
 from .evaluate import heldout_seeds, play, trajectory_metrics
 from .engines import SharedPrefixEngine
 from .config import RunSettings, setting
@@ -229,7 +229,7 @@ def sft(cfg: SFTConfig, progress: bool = True) -> dict:
     stream = demonstration_stream(tok, train_seeds(cfg), settings, rollout_cfg, cfg.multi_turn, cfg.seed, skipped)
     batch = [next(stream) for _ in range(cfg.train_batch_size)]   # a demonstration that breaks a limit fails here
     heldout = val_seeds(cfg) if cfg.test_freq else []
-    model = load_model(cfg.base_model, device=default_device())
+    model = load_model(cfg.base_model, None if cfg.lora_rank else torch.float32)   # trained in full: fp32 weights and AdamW, also on a GPU
     if cfg.lora_rank: model = with_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
     if cfg.bf16 and model.device.type == 'cpu' and cpu_has_bf16() is False:
         warnings.warn("BF16=true on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 among its flags): bf16 is "

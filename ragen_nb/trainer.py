@@ -305,9 +305,10 @@ def _load_models(cfg: Config, checkpoint: Path | None, device=None) -> tuple:
     "Tokenizer, actor, critic (from `checkpoint`, else `base_model`; None for a critic-free estimator) and the frozen reference (None without a KL, or with LoRA, whose reference is the base)."
     lora = cfg.lora_rank > 0
     start = str(checkpoint) if checkpoint is not None and not lora else cfg.base_model   # LoRA: base weights + saved adapters
-    tok, actor = load_tokenizer(cfg.base_model), load_model(start, device=device)
+    dtype = None if lora else torch.float32   # trained in full: fp32 weights and AdamW, also on a GPU (bf16 weights drop small updates)
+    tok, actor = load_tokenizer(cfg.base_model), load_model(start, dtype, device)
     critic = (None if cfg.critic_free else ValueModel.on_actor(actor, cfg.seed) if cfg.critic == 'shared' else
-              ValueModel.from_pretrained(start, device=device, seed=cfg.seed))
+              ValueModel.from_pretrained(start, dtype, device, cfg.seed))
     if checkpoint is not None and critic is not None and (cfg.critic == 'shared' or lora):
         critic.head.load_state_dict(load_file(checkpoint/'critic'/HEAD_FILE))
     if cfg.gcp:
@@ -318,7 +319,7 @@ def _load_models(cfg: Config, checkpoint: Path | None, device=None) -> tuple:
         if critic is not None and not critic.shared:
             critic.trunk = with_lora(critic.trunk, cfg.lora_rank, cfg.lora_alpha, cfg.seed, checkpoint and checkpoint/'critic_lora')
     kl = cfg.kl_coef > 0 or cfg.kl_loss_coef > 0
-    ref = load_model(cfg.base_model, device=device).requires_grad_(False) if kl and not lora else None
+    ref = load_model(cfg.base_model, dtype, device).requires_grad_(False) if kl and not lora else None
     return tok, actor, critic, ref
 
 def _split(cfg: Config, world: int) -> Config:
