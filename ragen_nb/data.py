@@ -88,7 +88,8 @@ def followup_text(tokenizer, message: str, template: str = 'qwen-instruct', thin
                                           add_generation_prompt=True, tokenize=False)
     if reply + eot not in before:
         raise ValueError(f"{tokenizer.name_or_path}'s chat template does not end the assistant's turn with its eos token "
-                         f"{eot!r}; the rollout cannot tell where a turn ends: use template='base'")
+                         f"{eot!r}; the rollout cannot tell where a turn ends. If that eos is wrong (transformers 5.17 reads the embedded "
+                         "model's as '<|im_start|>'), upgrade transformers; if the model has no chat format, use template='base'")
     end = before.index(reply + eot) + len(reply + eot)
     if not after.startswith(before[:end]):
         raise ValueError(f"{tokenizer.name_or_path}'s chat template rewrites earlier turns; it cannot be used turn by turn")

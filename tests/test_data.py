@@ -65,6 +65,17 @@ def test_followup_continues_the_chat_template(tok):
     assert turn_by_turn == whole
 
 
+def test_a_wrong_eos_is_refused_with_the_fix(tok):
+    "An eos the chat template never writes (transformers 5.17 converted the embedded GGUF with '<|im_start|>') names both fixes."
+    import copy
+    wrong = copy.deepcopy(tok)
+    wrong.eos_token = '<|im_start|>'
+    assert wrong.eos_token == '<|im_start|>' and tok.eos_token == '<|im_end|>'
+    with pytest.raises(ValueError, match="'<\\|im_start\\|>'.*upgrade transformers.*template='base'"):
+        followup_text(wrong, 'next')
+    assert followup_text(tok, 'next').startswith('\n<|im_start|>user')   # the right eos passes
+
+
 def test_wrong_types_and_empty_cells_are_refused_naming_the_folder(tmp_path, tok):
     import pyarrow as pa
     paths = curate(tmp_path, seed=1, train_size=3, test_size=1, tokenizer=tok, progress=False)
