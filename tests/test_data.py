@@ -1,5 +1,5 @@
 "Dataset curation from the command line and from Python: determinism, disjoint splits, clear errors."
-import subprocess, sys
+import copy, subprocess, sys
 import pyarrow.parquet as pq
 import pytest
 from ragen_nb.data import (coordinates_line, curate, first_message, load_split, positions, render_prompt, followup_text,
@@ -67,7 +67,6 @@ def test_followup_continues_the_chat_template(tok):
 
 def test_a_wrong_eos_is_refused_with_the_fix(tok):
     "An eos the chat template never writes (transformers 5.17 converted the embedded GGUF with '<|im_start|>') names both fixes."
-    import copy
     wrong = copy.deepcopy(tok)
     wrong.eos_token = '<|im_start|>'
     assert wrong.eos_token == '<|im_start|>' and tok.eos_token == '<|im_end|>'
