@@ -6,7 +6,7 @@
 __all__ = ['MAX_ENUMERATED_TURNS', 'NO_MI', 'COLUMNS', 'wilson_interval', 'mi_from_counts', 'room_action_mi', 'cached_room',
            'heldout_seeds', 'action_sequences', 'solve_steps_loop', 'solve_steps', 'by_length', 'baseline_rows',
            'turn_budget', 'baselines', 'format_table', 'format_by_length', 'play', 'trajectory_metrics', 'move_quality',
-           'format_moves', 'solution_lengths', 'model_rows', 'paired_difference', 'format_paired']
+           'format_moves', 'solution_lengths', 'model_rows', 'paired_difference', 'format_difference', 'format_paired']
 
 # %% ../nbs/10_evaluate.ipynb #35ddc277
 import math
@@ -339,14 +339,14 @@ def paired_difference(a: Sequence[float], b: Sequence[float], z: float = 1.96) -
     return dict(difference=float(d.mean()), low=float(d.mean() - half), high=float(d.mean() + half), rooms=len(d),
                 better=int((d > 0).sum()), worse=int((d < 0).sum()))
 
+def format_difference(a: dict, b: dict) -> str:
+    "Row `a` minus row `b`, both with `per_room` on the same rooms: their `paired_difference` in one line, named by their `policy`."
+    d = paired_difference(a['per_room'], b['per_room'])
+    return (f"{a['policy']} - {b['policy']}: {d['difference']:+.3f} (95% interval {d['low']:+.3f} to {d['high']:+.3f}) "
+            f"on the same {d['rooms']} rooms, better on {d['better']}, worse on {d['worse']}")
+
 def format_paired(rows: list[dict]) -> str:
-    "One line for each `model` row that has a `base` row at the same temperature: their `paired_difference` on the same rooms."
+    "One line for each `model` row that has a `base` row at the same temperature: their `format_difference`."
     named = {r['policy']: r for r in rows if r.get('per_room')}
-    lines = []
-    for policy, row in named.items():
-        base = named.get(policy.replace('model ', 'base ', 1)) if policy.startswith('model ') else None
-        if base is None: continue
-        d = paired_difference(row['per_room'], base['per_room'])
-        lines.append(f"{policy} - base {policy.removeprefix('model ')}: {d['difference']:+.3f} (95% interval {d['low']:+.3f} to "
-                     f"{d['high']:+.3f}) on the same {d['rooms']} rooms, better on {d['better']}, worse on {d['worse']}")
-    return '\n'.join(lines)
+    pairs = [(row, named.get(policy.replace('model ', 'base ', 1))) for policy, row in named.items() if policy.startswith('model ')]
+    return '\n'.join(format_difference(row, base) for row, base in pairs if base is not None)
