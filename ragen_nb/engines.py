@@ -52,6 +52,10 @@ class TurnCacheEngine(SharedPrefixEngine):
             where = torch.cat([attention_mask[row].nonzero().flatten(), torch.arange(width, width + n, device=attention_mask.device)])
             self.kept[tuple(prompt) + tuple(new[row][:n])] = [(layer.keys[row][:, where], layer.values[row][:, where]) for layer in cache.layers]
 
+    def forget(self):
+        "Drop the kept keys and values: stale once the weights change, and memory the update could use (`16_trainer` calls it first)."
+        self.kept = {}
+
     def _reused(self, prompt: list[int]) -> tuple[int, list]:
         "The length of the longest kept ids `prompt` starts with (leaving it one id to run), and their keys and values; 0 and [] if none."
         for n in sorted({len(k) for k in self.kept}, reverse=True):

@@ -30,7 +30,7 @@ from .advantages import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, TurnTable, on_token
 from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss
 from .evaluate import play, trajectory_metrics
 from .starpo import GROUP_METRICS, filter_groups, filter_metrics, collapse_metrics
-from .engines import SyncedEngine, logprob_mismatch_kl, make_engine, vllm_available
+from .engines import SyncedEngine, TurnCacheEngine, logprob_mismatch_kl, make_engine, vllm_available
 from .config import Config
 from .checkpoint import latest_checkpoint, load_training_state
 from .runlog import RunLog
@@ -426,6 +426,7 @@ def train(cfg: Config, progress: bool = True) -> dict:
             # 2. Update: advantages and PPO minibatches; a synced engine frees its memory meanwhile and takes the new weights after
             t1 = time.perf_counter()
             if synced: engine.sleep()
+            elif isinstance(engine, TurnCacheEngine): engine.forget()   # its last turn's keys and values, stale after the update
             try: metrics = ppo_step(kept, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local.at_step(step), s.tok.pad_token_id, step=step,
                                     ref=s.ref, accelerator=acc) if kept else {}   # top_p keeps no group when every std is 0
             except FloatingPointError as e:

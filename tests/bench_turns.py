@@ -6,7 +6,8 @@ The embedded SmolLM2-135M (untrained, fp32), the first `--rooms` held-out rooms 
 SEARCH_DEPTH=30, MAX_STEPS=5), answers of at most 8 tokens, the env's replies as the trainer sends them. The same
 `rollout` runs with `SharedPrefixEngine` (each turn runs its whole context again, the shared prompt start excepted)
 and with `TurnCacheEngine`, same seed; it prints, per turn, the rows, the longest prompt, the tokens each engine ran
-through the model (padding included) and the seconds, and checks that both played the same episodes."""
+through the model (padding included) and the seconds, checks that both played the same episodes, and prints the
+keys and values `TurnCacheEngine` still holds after the rollout (what the trainer's `forget` frees before an update)."""
 import argparse, time
 
 
@@ -44,6 +45,9 @@ def main():
         print(f'{type(engine).__name__}: {total:.1f} s, {sum(c[2] for c in calls)} tokens run; {episode_metrics(trajs)}')
         for turn, (rows, longest, tokens, seconds) in enumerate(calls, 1):
             print(f'  turn {turn}: {rows} rows, longest prompt {longest}, {tokens} tokens run, {seconds:.1f} s')
+        if isinstance(engine, TurnCacheEngine):   # what the trainer's forget() frees before each update
+            held = sum(t.numel() * t.element_size() for layers in engine.kept.values() for kv in layers for t in kv)
+            print(f'  held after the rollout: {held / 1e6:.0f} MB of keys and values, {len(engine.kept)} rows')
     a, b = played.values()
     same = sum(x.ids == y.ids for x, y in zip(a, b))
     print(f'episodes with identical ids: {same} of {len(a)}; torch threads {torch.get_num_threads()}')

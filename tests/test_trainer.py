@@ -684,6 +684,23 @@ def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkey
                                'RESUME=True')) == 1
 
 
+def test_the_turn_cache_is_forgotten_before_each_update(tiny_dir, tmp_path, monkeypatch):
+    "TURN_CACHE=True: the engine still holds the rollout's last keys and values when the rollout returns, and none in the update."
+    engines, held = [], []
+    real_engine, real_rollout, real_step = trainer.make_engine, trainer.rollout, trainer.ppo_step
+    monkeypatch.setattr(trainer, 'make_engine', lambda *a, **kw: engines.append(real_engine(*a, **kw)) or engines[-1])
+    def spy_rollout(*a, **kw):
+        out = real_rollout(*a, **kw); held.append(('rollout', len(engines[0].kept))); return out
+    def spy_step(*a, **kw):
+        held.append(('update', len(engines[0].kept))); return real_step(*a, **kw)
+    monkeypatch.setattr(trainer, 'rollout', spy_rollout); monkeypatch.setattr(trainer, 'ppo_step', spy_step)
+    out = train(Config.from_args(run_args(tiny_dir, tmp_path, 'cache', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'TURN_CACHE=True')),
+                progress=False)
+    assert out['error'] is None and type(engines[0]).__name__ == 'TurnCacheEngine'
+    assert [phase for phase, _ in held] == ['rollout', 'update'] * 2
+    assert all(n > 0 for phase, n in held if phase == 'rollout') and all(n == 0 for phase, n in held if phase == 'update')
+
+
 def test_a_broken_wandb_warns_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatch):
     class Broken:
         def init(self, **kwargs): raise RuntimeError('no wandb here')
