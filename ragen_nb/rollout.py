@@ -138,7 +138,7 @@ class RolloutConfig:
     max_start_length: int = 400       # tokens in the first prompt; a longer one is an error
     max_response_length: int = 100    # new tokens per turn at most
     max_obs_length: int = 120         # tokens per env reply; a longer one is cut, ending in CUT_MARKER
-    max_context_length: int = 1385    # tokens per trajectory; a turn starts only if a full-length reply and its eos still fit
+    max_context_length: int | None = None   # tokens per trajectory; a turn starts only if a full-length reply and its eos still fit (None: `full_context`)
     temperature: float = 1.0          # sampling temperature (0: greedy)
     top_p: float = 1.0                # nucleus sampling threshold
     format_penalty: float = -0.1      # reward of a turn whose answer is not an action
@@ -148,7 +148,13 @@ class RolloutConfig:
     prefilled: bool = True            # open the assistant's turn with <answer> (or <think>)
     coordinates: bool = False         # add the (row, column) of the player, boxes and targets under each room (02_data)
 
-    def __post_init__(self): self.validate()
+    def __post_init__(self):
+        if self.max_context_length is None: self.max_context_length = self.full_context()
+        self.validate()
+
+    def full_context(self) -> int:
+        "Tokens of a whole episode at these limits: the first prompt, every turn's reply with its eos, and the env replies between."
+        return self.max_start_length + self.max_turns * (self.max_response_length + 1) + (self.max_turns - 1) * self.max_obs_length
 
     def validate(self) -> 'RolloutConfig':
         "Check the settings; a ValueError names the one to change."
