@@ -88,6 +88,12 @@ class Engine(Protocol):
                  seed: int | None = None, continues: bool = False) -> list[tuple[list[int], list[float]]]:
         "For each prompt (a list of ids), the new ids, cut at eos or after `</answer>`, and the logprob of each under the model at `temperature` (0: greedy); reproducible for a given `seed`. `continues`: each prompt extends one of the previous call's prompts and its answer, with the weights unchanged since, so an engine may reuse what it computed then."
         ...
+    def before_update(self):
+        "The trainer is about to change the weights: drop what was computed with the old ones, free memory the update can use."
+        ...
+    def after_update(self, model) -> float:
+        "The trainer changed the weights of `model`: sample from them from now on; the seconds it took."
+        ...
 
 class HFEngine:
     "An `Engine` on HF `generate`: left padding, temperature/top-p, per-token logprobs, stops at eos or `</answer>`."
@@ -104,7 +110,14 @@ class HFEngine:
         return input_ids, attention_mask, None
 
     def _keep(self, prompts: list[list[int]], attention_mask: torch.Tensor, new: list[list[int]], ends: list[int], cache):
-        "What to keep of a call for the next one: nothing here (`12_engines` keeps the keys and values)."
+        "What to keep of a call for the next one: nothing here (`14_engines` keeps the keys and values)."
+
+    def before_update(self):
+        "Nothing to do: it keeps nothing from call to call."
+
+    def after_update(self, model) -> float:
+        "Nothing to do: it samples from the very model the trainer updates."
+        return 0.0
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -201,11 +214,12 @@ def rollout(engine: Engine, tokenizer, seeds: list[int], settings: EnvSettings |
     env_reply(tokenizer, '', cfg)  # fails early if max_obs_length cannot hold the turn markers
     envs, trajs = [SokobanEnv(settings) for _ in seeds], []
     for env, s in zip(envs, seeds):
-        ids = tokenizer.encode(render_prompt(tokenizer, env.reset(seed=s), cfg.template, cfg.think, cfg.prefilled,
-                                             cfg.coordinates), add_special_tokens=False)
+        room = env.reset(seed=s)
+        ids = tokenizer.encode(render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled, cfg.coordinates),
+                               add_special_tokens=False)
         if len(ids) > cfg.max_start_length:
             raise ValueError(f'the prompt for seed {s} has {len(ids)} tokens > max_start_length={cfg.max_start_length}: raise it')
-        trajs.append(Trajectory(seed=s).add(ids, PROMPT, 0))
+        trajs.append(Trajectory(seed=s, room=room).add(ids, PROMPT, 0))
     active = list(range(len(seeds)))
     for turn in range(1, cfg.max_turns + 1):
         if not active: break
@@ -247,6 +261,13 @@ class ScriptedEngine:
         "For each prompt, the scripted reply's ids (at most `max_new_tokens`) and zero logprobs."
         outs = [self.tokenizer.encode(self.reply(self.tokenizer.decode(p)), add_special_tokens=False)[:max_new_tokens] for p in prompts]
         return [(ids, [0.0] * len(ids)) for ids in outs]
+
+    def before_update(self):
+        "Nothing to do: a script has no weights."
+
+    def after_update(self, model) -> float:
+        "Nothing to do: a script has no weights."
+        return 0.0
 
 # %% ../nbs/04_rollout.ipynb #83ca17d0
 def episode_metrics(trajs: list[Trajectory]) -> dict:

@@ -26,6 +26,7 @@ class Trajectory:
     actions: list[int | None] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     dones: list[bool] = field(default_factory=list)
+    room: str | None = None   # the room before turn 1, as the model was shown it
     observations: list[str] = field(default_factory=list)
     seed: int = 0
     success: bool = False

@@ -4,7 +4,7 @@
 
 The embedded SmolLM2-135M in fp32, real first Sokoban prompts (notebook 02's `render_prompt`), T = 1, top_p = 1, no
 stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned. `hf` is
-`SharedPrefixEngine` (12), which runs the prompt start that every prompt shares once (the trainer's and `ragen_nb eval`'s
+`SharedPrefixEngine` (14), which runs the prompt start that every prompt shares once (the trainer's and `ragen_nb eval`'s
 HF engine); `hf-plain` is `HFEngine` (04), plain left padding.
 Each engine runs in a fresh process of its own, one after another: vLLM's CPU threads spin and would slow anything
 beside them, and an eager and a compiled engine do not fit in one process's memory here. `vllm-compiled` compiles with

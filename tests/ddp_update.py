@@ -7,8 +7,8 @@ from accelerate import Accelerator
 
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.config import Config
-from ragen_nb.gae import ValueModel
-from ragen_nb.trainer import ppo_step
+from ragen_nb.masking import ValueModel
+from ragen_nb.trainer import Processes, ppo_step
 from test_trainer import uneven_batch
 
 out, *args = sys.argv[1:]
@@ -24,6 +24,6 @@ opts = [torch.optim.SGD(m.parameters(), lr=1.) for m in (actor, critic) if m is 
 prepared = acc.prepare(*[m for m in (actor, critic) if m is not None], *opts)
 models, opts = prepared[:len(opts)], prepared[len(opts):]
 ppo_step(trajs[acc.process_index * n:(acc.process_index + 1) * n], models[0], models[1] if len(models) > 1 else None,
-         opts[0], opts[1] if len(opts) > 1 else None, local, tok.pad_token_id, accelerator=acc)
+         opts[0], opts[1] if len(opts) > 1 else None, local, tok.pad_token_id, procs=Processes(acc))
 if acc.is_main_process:
     torch.save([acc.unwrap_model(m).state_dict() for m in models], out)

@@ -10,32 +10,24 @@ def run(*args):
     return subprocess.run([sys.executable, '-m', 'ragen_nb.cli', *args], capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize('command', ['data', 'eval'])
-def test_help_lists_options_with_defaults(command):
-    r = run(command, '--help')
-    assert r.returncode == 0
-    assert 'SEARCH_DEPTH' in r.stdout and '(default:' in r.stdout
+def test_help_lists_options_with_defaults():
+    r = run('data', '--help')
+    assert r.returncode == 0 and 'SEARCH_DEPTH' in r.stdout and '(default:' in r.stdout
 
 
-def test_bad_arguments_exit_with_a_message():
-    r = run('data', '--prefix', 'chatml')
-    assert r.returncode == 2 and "invalid choice: 'chatml'" in r.stderr
-    with pytest.raises(SystemExit): parser().parse_args([])
+def test_eval_help_lists_every_setting_with_its_default():
+    r = run('eval', '--help')
+    assert r.returncode == 0 and r.stdout.startswith('ragen_nb eval KEY=value')
+    for key in ('MODEL=smollm2-135m', 'BASE=smollm2-135m', 'N=200', 'TEMPERATURES=0,0.5', 'SEARCH_DEPTH=30', 'MAX_RESPONSE_LENGTH=100',
+                'THINK=False', 'OUTPUT='):
+        assert key in r.stdout, key
 
 
-@pytest.fixture(scope='module')
-def tiny_folder(tmp_path_factory):
-    "A small random model saved with the embedded tokenizer: it loads in a second and never answers with an action."
-    path = tmp_path_factory.mktemp('tiny')
-    tok = load_tokenizer()
-    tiny_model(tok).save_pretrained(path); tok.save_pretrained(path)
-    return path
-
-
-def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
+def test_eval_prints_one_table_and_writes_json_and_its_session(tiny_dir, tmp_path):
     out = tmp_path/'eval.json'
-    r = run('eval', '--model', str(tiny_folder), '--no-base', '--n', '2', '--max_turns', '2', '--max_response_length', '4',
-            '--search_depth', '4', '--train_rooms', '5', '--samples', '2', '--json', str(out))
+    args = ['eval', f'MODEL={tiny_dir}', 'BASE=none', 'N=2', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=4', 'SEARCH_DEPTH=4',
+            'TRAIN_ROOMS=5', 'SAMPLES=2', f'OUTPUT={out}']
+    r = run(*args)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     start = next(i for i, l in enumerate(lines) if l.startswith('policy '))
@@ -56,7 +48,17 @@ def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
     assert [m[6:8] for m in model] == [['0.000', '2.00']] * 2
     assert 'solve(max_depth=2)' in rows[-1] and footer.startswith('2 held-out rooms')
     saved = json.loads(out.read_text())
-    assert saved['settings']['search_depth'] == 4 and saved['turn_budget'] == 2 and saved['seeds'] == [20000, 20001]
+    assert saved['turn_budget'] == 2 and saved['seeds'] == [20000, 20001]
+    # every setting that changes a score is kept: rooms, episode limits, prompt, temperatures, samples, engine
+    assert {k: saved['settings'][k] for k in ('search_depth', 'max_turns', 'max_response_length', 'max_obs_length', 'think',
+                                              'template', 'coordinates', 'temperatures', 'samples', 'rollout_engine', 'turn_cache',
+                                              'chunk_size', 'model', 'base')} == dict(
+        search_depth=4, max_turns=2, max_response_length=4, max_obs_length=120, think=False, template='qwen-instruct',
+        coordinates=False, temperatures='0,0.5', samples=2, rollout_engine='hf', turn_cache=False, chunk_size=32,
+        model=str(tiny_dir), base='none')
+    session = json.loads((tmp_path/'run.json').read_text())['sessions'][-1]   # the command's own record, beside its output
+    assert session['argv'] == ['ragen_nb', *args] and session['kind'] == 'eval' and session['status'] == 'done'
+    assert session['settings'] == saved['settings'] and session['peak_rss_gb'] > 0.1 and session['wall_s'] > 0
     assert [row['policy'] for row in saved['rows']] == ['model greedy', 'model T=0.5', 'uniform random',
                                                        'best fixed sequence', 'BFS optimum']
     assert saved['rows'][2]['mi'] is None                                    # nan is written as null
@@ -72,26 +74,27 @@ def test_eval_prints_one_table_and_writes_json(tiny_folder, tmp_path):
     assert not any('moves' in row for row in saved['rows'][2:])              # the baselines have no moves
 
 
-def test_eval_takes_room_settings_from_the_environment(tiny_folder, tmp_path, monkeypatch):
+def test_eval_takes_room_settings_from_the_environment(monkeypatch):
     import ragen_nb.cli as cli
     seen = []
-    monkeypatch.setattr(cli, 'evaluate', lambda *a, **k: seen.append(a[4]) or cli.baselines(a[4], 2, 2, 5))
+    monkeypatch.setattr(cli, 'evaluate', lambda cfg, **k: seen.append(cfg.env_settings) or cli.baselines(cfg.env_settings, 2, 2, 5))
     monkeypatch.setenv('SEARCH_DEPTH', '4'); monkeypatch.setenv('MAX_STEPS', '3')
-    assert cli.main(['eval', '--n', '2', '--max_turns', '2']) == 0
-    assert cli.main(['eval', '--n', '2', '--max_turns', '2', '--search_depth', '5']) == 0     # an option beats the env
+    assert cli.main(['eval', 'N=2', 'MAX_TURNS=2']) == 0
+    assert cli.main(['eval', 'N=2', 'MAX_TURNS=2', 'SEARCH_DEPTH=5']) == 0     # an argument beats the env
     assert [(s.search_depth, s.max_steps) for s in seen] == [(4, 3), (5, 3)]
 
 
 @pytest.mark.parametrize('args,message', [
-    (['--n', '0'], '--n 0'), (['--temperatures', '-1'], 'temperatures >= 0'), (['--samples', '0'], '--samples 0'),
-    (['--max_turns', '9', '--max_steps', '20'], 'lower --max_turns'), (['--search_depth', '2'], 'search_depth=2'),
-    (['--train_rooms', '0'], '--train_rooms 0'), (['--json', '/nonexistent/x.json'], 'no folder /nonexistent'),
-    (['--data', '/nonexistent'], 'does not exist')])
+    (['N=0'], 'n=0'), (['TEMPERATURES=-1'], 'temperatures >= 0'), (['SAMPLES=0'], 'samples=0'),
+    (['MAX_TURNS=9', 'MAX_STEPS=20'], 'lower MAX_TURNS'), (['SEARCH_DEPTH=2'], 'search_depth=2'),
+    (['TRAIN_ROOMS=0'], 'train_rooms=0'), (['OUTPUT=/nonexistent/x.json'], 'no folder /nonexistent'),
+    (['DATA_DIR=/nonexistent'], 'does not exist'), (['--n', '2'], 'is not KEY=value'), (['NN=2'], "unknown setting 'NN'"),
+    (['MODEL=/nonexistent/model'], 'no model folder')])
 def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypatch, capsys):
     import ragen_nb.cli as cli
     monkeypatch.setattr(cli, 'load_model', lambda *a, **k: pytest.fail('a model was loaded'))
     monkeypatch.setattr(cli, 'load_tokenizer', lambda *a, **k: pytest.fail('a tokenizer was loaded'))
-    assert cli.main(['eval', '--no-base', *args]) == 2
+    assert cli.main(['eval', 'BASE=none', *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith('ragen_nb eval: error: ') and message in err[0]
 
@@ -101,28 +104,27 @@ def test_eval_coordinates_reach_the_rollout_and_the_json(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(cli, '_engine', lambda name, kind, turn_cache=False: (None, None))
     monkeypatch.setattr(cli, 'model_rows', lambda engine, tok, seeds, settings, cfg, *a: seen.append(cfg) or [])
-    for flag in ([], ['--coordinates']):
+    for flag in ([], ['COORDINATES=True']):
         out = tmp_path/f'eval{len(flag)}.json'
-        assert cli.main(['eval', '--no-base', '--n', '2', '--max_turns', '2', '--search_depth', '4', '--train_rooms', '5',
-                         '--json', str(out), *flag]) == 0
-        assert json.loads(out.read_text())['coordinates'] is bool(flag)
+        assert cli.main(['eval', 'BASE=none', 'N=2', 'MAX_TURNS=2', 'SEARCH_DEPTH=4', 'TRAIN_ROOMS=5', f'OUTPUT={out}', *flag]) == 0
+        assert json.loads(out.read_text())['settings']['coordinates'] is bool(flag)
     assert [cfg.coordinates for cfg in seen] == [False, True]
 
 
 def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
-    from ragen_nb.cli import eval_plan, main
+    from ragen_nb.cli import EvalSettings, eval_plan, main
     main(['data', '--output', str(tmp_path), '--train_size', '3', '--test_size', '2'])
-    assert eval_plan(n=2, data=str(tmp_path))['seeds'] == [10003, 10004]
+    assert eval_plan(EvalSettings(n=2, data_dir=str(tmp_path)))['seeds'] == [10003, 10004]
     with pytest.raises(ValueError, match=r'holds 2 rooms, fewer than the 5 asked.*--test_size 5'):
-        eval_plan(n=5, data=str(tmp_path))
+        eval_plan(EvalSettings(n=5, data_dir=str(tmp_path)))
 
 
 def test_train_cpu_is_train_with_the_main_job_settings_first(tmp_path, monkeypatch):
     import ragen_nb.cli as cli
     from ragen_nb.config import Config, RECIPES
     seen, judged, exit_code = [], [], 0
-    monkeypatch.setattr(cli, 'train_main', lambda argv: seen.append(argv) or exit_code)
-    monkeypatch.setattr(cli, 'recipe_eval', lambda argv: judged.append(argv) or 0)
+    monkeypatch.setattr(cli, 'train_main', lambda argv, command: seen.append(argv) or exit_code)
+    monkeypatch.setattr(cli, 'recipe_eval', lambda argv, command: judged.append(argv) or 0)
     assert not hasattr(cli, 'MAIN_JOB') and not hasattr(cli, 'main_job_eval')   # the main job is a recipe now
     assert cli.main(['train-cpu', 'TOTAL_STEPS=3']) == 0 and cli.main(['train', 'TOTAL_STEPS=3']) == 0
     assert seen == [['RECIPE=main-job', 'TOTAL_STEPS=3'], ['TOTAL_STEPS=3']]
@@ -145,7 +147,7 @@ def test_train_cpu_help_shows_its_settings_and_every_key():
     assert r.returncode == 0 and 'LORA_RANK=16' in r.stdout and 'TRAIN_BATCH_SIZE=128' in r.stdout
 
 
-def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, capsys):
+def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines_in_its_own_episodes(tmp_path, capsys):
     import ragen_nb.cli as cli
     from ragen_nb.config import Config
     from ragen_nb.evaluate import heldout_seeds
@@ -156,19 +158,44 @@ def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines(tmp_path, c
                            'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False']
     assert cli.recipe_eval(argv, n=3) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
     train(Config.from_args(argv), progress=False)
-    assert cli.recipe_eval(argv, n=3) == 0
+    assert cli.recipe_eval(argv, ['ragen_nb', 'train-cpu', *argv], n=3) == 0
     out = capsys.readouterr().out
-    table = json.loads((tmp_path/'cpu-smollm2-135m'/'eval.json').read_text())
-    assert Path(table['model']).name == 'global_step_2'                      # the last checkpoint
-    assert table['seeds'] == heldout_seeds(3, None, Config.from_args(argv).env_settings) and table['turn_budget'] == 2
+    run = tmp_path/'cpu-smollm2-135m'
+    table = json.loads((run/'eval.json').read_text())
+    assert Path(table['settings']['model']).name == 'global_step_2'          # the last checkpoint
+    # judged on the episodes the run trained on, though the eval was not told them: the recipe's rooms, turns and replies
+    job = Config.from_args(argv)
+    assert {k: table['settings'][k] for k in ('search_depth', 'max_turns', 'max_response_length')} == \
+        {'search_depth': job.search_depth, 'max_turns': job.max_turns, 'max_response_length': job.max_response_length} == \
+        {'search_depth': 4, 'max_turns': 2, 'max_response_length': 8}
+    assert table['seeds'] == heldout_seeds(3, None, job.env_settings) and table['turn_budget'] == 2
     assert [r['policy'] for r in table['rows']] == ['model greedy', 'model T=0.5', 'base greedy', 'uniform random',
                                                     'best fixed sequence', 'BFS optimum']
     assert all(r['rooms'] == 3 for r in table['rows']) and 'BFS optimum' in out
     assert all(len(r['per_room']) == 3 for r in table['rows'][:3]) and 'model greedy - base greedy:' in out   # room by room
-    assert table['rows'][1]['episodes'] == 6 and table['base'] == str(tmp_path/'tiny')   # 2 samples per room: the MI has pairs
+    assert table['rows'][1]['episodes'] == 6 and table['settings']['base'] == str(tmp_path/'tiny')   # 2 samples per room
+    sessions = json.loads((run/'run.json').read_text())['sessions']          # the run's record, then its eval's
+    assert [s['kind'] for s in sessions] == ['train', 'eval'] and sessions[1]['argv'] == ['ragen_nb', 'train-cpu', *argv]
     from ragen_nb.cli import main
     main(['data', '--output', str(tmp_path/'rooms'), '--train_size', '3', '--test_size', '2'])   # 2 test rooms, 3 asked
     capsys.readouterr()
-    assert cli.recipe_eval(argv + [f'DATA_DIR={tmp_path/"rooms"}', 'SEARCH_DEPTH=30'], n=3) == 2
+    (run/'global_step_2'/'settings.json').write_text(json.dumps({**json.loads((run/'global_step_2'/'settings.json').read_text()),
+                                                                 'data_dir': str(tmp_path/'rooms'), 'search_depth': 30}))
+    assert cli.recipe_eval(argv, n=3) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith('error:') and 'global_step_2 is saved' in err[0] and '--test_size 3' in err[0]
+    assert len(err) == 2 and err[0].startswith('ragen_nb eval: error:') and '--test_size 3' in err[0]
+    assert err[1].startswith('error:') and 'global_step_2 is saved' in err[1]
+
+
+def test_recipe_eval_judges_the_checkpoint_validation_preferred(tmp_path, monkeypatch):
+    import ragen_nb.cli as cli
+    from ragen_nb.checkpoint import BEST_FILE
+    judged = []
+    monkeypatch.setattr(cli, 'eval_main', lambda args, command: judged.append(args[0]) or 0)
+    monkeypatch.setattr(cli, 'latest_checkpoint', lambda run: run/'global_step_4')
+    run = tmp_path/'cpu-smollm2-135m'
+    monkeypatch.setattr(cli, 'best_checkpoint', lambda r: run/'global_step_2' if (r/BEST_FILE).exists() else None)
+    run.mkdir(); argv = ['RECIPE=main-job', f'OUTPUT_DIR={tmp_path}']
+    cli.recipe_eval(argv + ['KEEP_BEST=True']); (run/BEST_FILE).write_text('{"step": 2}')
+    cli.recipe_eval(argv + ['KEEP_BEST=True']); cli.recipe_eval(argv + ['KEEP_BEST=False'])
+    assert judged == [f'MODEL={run}/global_step_4', f'MODEL={run}/global_step_2', f'MODEL={run}/global_step_4']

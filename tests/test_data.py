@@ -8,10 +8,6 @@ from ragen_nb.models import load_tokenizer
 from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, solve
 
 
-@pytest.fixture(scope='module')
-def tok(): return load_tokenizer()
-
-
 def test_cli_writes_both_splits(tmp_path):
     out = tmp_path/'sokoban'
     r = subprocess.run([sys.executable, '-m', 'ragen_nb.cli', 'data', '--output', str(out), '--seed', '500',

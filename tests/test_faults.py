@@ -85,16 +85,16 @@ RUNNER = r'''
 import json, os, sys, threading, time, traceback
 import ragen_nb.trainer as t, ragen_nb.runlog as runlog, ragen_nb.checkpoint as ckpt, ragen_nb.cli as cli
 def mark(text): print(text, flush=True)
-real_update, real_save, real_merged, saving = t.ppo_step, runlog.save_checkpoint, ckpt._save_merged, [None]
-def ppo_step(*args, **kwargs): mark(f"update {kwargs['step']}"); return real_update(*args, **kwargs)
+real_update, real_save, real_merged, saving = t.ppo_update, runlog.save_checkpoint, ckpt._save_merged, [None]
+def ppo_update(*args, **kwargs): mark(f"update {kwargs['step']}"); return real_update(*args, **kwargs)
 def save_checkpoint(folder, step, *args, **kwargs):
     saving[0] = step; mark(f'save {step}')
     out = real_save(folder, step, *args, **kwargs); mark(f'saved {step}'); return out
 def save_merged(model, path):
     real_merged(model, path)
     if path.name == 'actor': mark(f'mid-save {saving[0]}'); time.sleep(0.5)
-# each where it is looked up: the train loop calls ppo_step, RunLog.checkpoint calls save_checkpoint, which calls _save_merged
-t.ppo_step, runlog.save_checkpoint, ckpt._save_merged = ppo_step, save_checkpoint, save_merged
+# each where it is looked up: the train loop calls ppo_update, RunLog.checkpoint calls save_checkpoint, which calls _save_merged
+t.ppo_update, runlog.save_checkpoint, ckpt._save_merged = ppo_update, save_checkpoint, save_merged
 mark('ready')
 for line in sys.stdin:
     assert threading.active_count() == 1, 'fork only a single-threaded process'
@@ -295,7 +295,7 @@ def command(cmd: str, model: str, data: str | None, tmp_path: Path) -> list[str]
     "`ragen_nb cmd` with `model` and, for train/eval, the dataset folder `data`."
     if cmd in ('train', 'train-cpu'):
         return [cmd, f'BASE_MODEL={model}', f'OUTPUT_DIR={tmp_path/"runs"}'] + ([f'DATA_DIR={data}'] if data else [])
-    if cmd == 'eval': return ['eval', '--model', model, '--no-base', '--n', '2'] + (['--data', data] if data else [])
+    if cmd == 'eval': return ['eval', f'MODEL={model}', 'BASE=none', 'N=2'] + ([f'DATA_DIR={data}'] if data else [])
     return ['data', '--model', model, '--output', str(tmp_path/'rooms'), '--train_size', '2', '--test_size', '1']
 
 
@@ -333,13 +333,13 @@ def test_a_dataset_that_cannot_be_read_is_one_error_line(cmd, mistake, tiny, bro
     one_error_line(capsys.readouterr().err, DATA_MISTAKES[mistake], f'ragen_nb data --output {data}')
 
 
-def test_too_few_test_rooms_for_val_rooms_is_one_error_line(tiny, tmp_path, capsys, no_model_loads):
-    data = str(tiny/'rooms')                                           # 2 test rooms; validation asks for 64 by default
+def test_too_few_train_rooms_for_val_rooms_is_one_error_line(tiny, tmp_path, capsys, no_model_loads):
+    data = str(tiny/'rooms')                                           # 16 train rooms; validation withholds 64 of them by default
     assert main(command('train', str(tiny/'model'), data, tmp_path)) == 2
-    one_error_line(capsys.readouterr().err, 'VAL_ROOMS=2', f'ragen_nb data --output {data} --test_size 64')
+    one_error_line(capsys.readouterr().err, 'set VAL_ROOMS below 16', f'ragen_nb data --output {data}')
     from ragen_nb.cli import check_run
     from ragen_nb.config import Config
-    check_run(Config.from_args(run_args(tiny, tmp_path, 'no-val', 'VAL_ROOMS=64', 'TEST_FREQ=0')))   # no validation: no test rooms needed
+    check_run(Config.from_args(run_args(tiny, tmp_path, 'no-val', 'VAL_ROOMS=64', 'TEST_FREQ=0')))   # no validation: no rooms withheld
 
 
 def test_data_into_a_file_is_one_error_line(tiny, tmp_path, capsys):

@@ -15,8 +15,9 @@ ROOMS = [20000, 20002, 20007, 20013]   # one-move, one-move, two-move and four-m
 
 def played(seed: int, moves: list[int]) -> Trajectory:
     "An episode of room `seed` with `moves` (0 = an invalid answer: penalty -1, room unchanged), as the rollout records it."
-    env, t = SokobanEnv(SETTINGS), Trajectory(seed=seed)
+    env = SokobanEnv(SETTINGS)
     obs = env.reset(seed=seed)
+    t = Trajectory(seed=seed, room=obs)
     for a in moves:
         if a == 0: reward, done = -1.0, False
         else: obs, reward, done, info = env.step(a); t.success = info['success']
@@ -58,7 +59,7 @@ def batch(rng: random.Random, group_size: int, max_turns: int = 5) -> list[Traje
 @given(st.integers(0, 10**6), st.sampled_from(['maxrl', 'grpo']), st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.sampled_from([1.0, 0.95, 0.5]))
 def test_gigpo_equals_the_plain_loop(seed, norm, coef, gamma):
     trajs = batch(random.Random(seed), 4)
-    table = TurnTable.of(trajs, 4, SETTINGS)
+    table = TurnTable.of(trajs, 4)
     got, want = gigpo(table, norm, gamma, coef), reference(trajs, 4, norm, gamma, coef)
     cells = sorted(want)
     assert cells == [(i, t) for i in range(len(trajs)) for t in range(len(trajs[i].rewards))]
@@ -68,7 +69,7 @@ def test_gigpo_equals_the_plain_loop(seed, norm, coef, gamma):
 @pytest.mark.parametrize('norm', ['maxrl', 'grpo'])
 def test_one_turn_per_episode_is_the_episode_level_estimator(norm):
     trajs = [played(seed, [a]) for seed in ROOMS for a in (0, 1, 2, 3, 4, 4)]   # every answer once, Right twice
-    table = TurnTable.of(trajs, 6, SETTINGS)
+    table = TurnTable.of(trajs, 6)
     assert table.success.sum() > 0 and (table.turns == 1).all()
     score = table.success if norm == 'maxrl' else table.total
     for coef in (0.5, 1.0, 3.0):
@@ -76,7 +77,7 @@ def test_one_turn_per_episode_is_the_episode_level_estimator(norm):
 
 @pytest.mark.parametrize('norm', ['maxrl', 'grpo'])
 def test_zero_step_weight_is_the_episode_level_estimator(norm):
-    table = TurnTable.of(batch(random.Random(5), 4), 4, SETTINGS)
+    table = TurnTable.of(batch(random.Random(5), 4), 4)
     score = table.success if norm == 'maxrl' else table.total
     episode = group_normalise(score, table.groups, norm)[:, None].expand_as(table.played)
     torch.testing.assert_close(gigpo(table, norm, step_coef=0.0)[table.played], episode[table.played])
@@ -86,13 +87,13 @@ def test_the_order_of_rollouts_in_a_group_does_not_matter():
     rng = torch.Generator().manual_seed(0)
     order = torch.cat([torch.randperm(4, generator=rng) + 4 * g for g in range(len(ROOMS))]).tolist()
     for norm in ('maxrl', 'grpo'):
-        torch.testing.assert_close(gigpo(TurnTable.of([trajs[i] for i in order], 4, SETTINGS), norm),
-                                   gigpo(TurnTable.of(trajs, 4, SETTINGS), norm)[order])
+        torch.testing.assert_close(gigpo(TurnTable.of([trajs[i] for i in order], 4), norm),
+                                   gigpo(TurnTable.of(trajs, 4), norm)[order])
 
 def test_anchor_groups_stay_inside_their_room_group():
     "Two groups of the same room are not mixed, and an invalid answer leaves the turn in the state it started in."
     trajs = [played(20007, [0, 2, 2]), played(20007, [2, 2])] * 2
-    groups = anchor_groups(TurnTable.of(trajs, 2, SETTINGS))
+    groups = anchor_groups(TurnTable.of(trajs, 2))
     start = SokobanEnv(SETTINGS).reset(seed=20007)
     assert groups[(0, start)] == [(0, 0), (0, 1), (1, 0)]   # the invalid first answer left rollout 0 at the start
     assert groups[(1, start)] == [(2, 0), (2, 1), (3, 0)]   # the second group of the same room is its own

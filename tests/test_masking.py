@@ -67,7 +67,7 @@ def test_env_ids_change_nothing_but_ids(t, shift):
         for f in fields(Batch):
             x, y = getattr(b1, f.name), getattr(b2, f.name)
             if f.name == 'input_ids': continue
-            if x is None: assert y is None, f.name   # the fields only score_batch (16) fills
+            if x is None: assert y is None, f.name   # the fields only score_batch (18) fills
             else: assert torch.equal(x, y), f.name
         assert torch.equal(b1.input_ids != b2.input_ids, env_mask(b1))
 

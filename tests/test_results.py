@@ -4,35 +4,30 @@ from pathlib import Path
 
 import pytest
 
-from ragen_nb.results import RUNS, baselines_table, keep_run, kept_runs, markdown, read_run, runs_table, time_report
+from ragen_nb.results import RUNS, SCORE_SETTINGS, baselines_table, eval_settings, keep_run, kept_runs, markdown, read_run, runs_table
+from ragen_nb.runlog import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def made_up(root: Path, name: str, greedy: tuple, sampled: tuple | None, lengths: dict, wall: str = '32:00.80', rss_kb: int = 3574832):
-    "A run folder as train-cpu leaves it (metrics.jsonl, eval.json with absolute checkpoint paths) and its /usr/bin/time -v report, kept."
+def made_up(root: Path, name: str, greedy: tuple, sampled: tuple | None, lengths: dict, reply: int = 8):
+    "A run folder as train-cpu leaves it (run.json written by the program, metrics.jsonl, eval.json with absolute checkpoint paths), kept."
     def row(policy, s):
         return dict(policy=policy, rooms=200, success_rate=s[0], success_low=s[1], success_high=s[2], mi=0.9, mi_null=0.4, mi_null_std=0.05,
                     by_length={str(k): dict(rooms=n, success_rate=p) for k, (n, p) in lengths.items()})
-    source = root/'source'/name; source.mkdir(parents=True)
+    out = root/'out'; source = out/name
+    RunRecord(source, 'train', ['ragen_nb', 'train-cpu', f'OUTPUT_DIR={out}'], dict(output_dir=str(out))).close()
     rows = [row('model greedy', greedy)] + ([row('model T=0.5', sampled)] if sampled else []) + [
         dict(policy='uniform random', success_rate=0.2, success_low=0.15, success_high=0.26, note='exact'),
         dict(policy='BFS optimum', success_rate=0.865, success_low=0.811, success_high=0.906, note='solve(max_depth=5)')]
-    (source/'eval.json').write_text(json.dumps(dict(model=f'/home/someone/checkpoints/{name}/global_step_30', rows=rows)))
+    settings = dict(model=str(source/'global_step_30'), n=200, search_depth=30, max_turns=5, max_response_length=reply)
+    (source/'eval.json').write_text(json.dumps(dict(settings=settings, rows=rows)))
     (source/'metrics.jsonl').write_text('{"step": 0, "val/success_rate": 0.1}\n{"step": 1, "train/success_rate": 0.5}\n')
-    (root/f'{name}.time').write_text(f'\tCommand being timed: "ragen_nb train-cpu"\n\tUser time (seconds): 1.0\n'
-                                     f'\tElapsed (wall clock) time (h:mm:ss or m:ss): {wall}\n\tMaximum resident set size (kbytes): {rss_kb}\n')
-    return keep_run(source, name, 'ragen_nb train-cpu', 'abc1234', 'a 2-core CPU', 'a test', root/f'{name}.time', runs=root/'runs')
-
-def test_time_report_reads_wall_time_and_peak_memory(tmp_path):
-    (tmp_path/'t').write_text('\tCommand being timed: "x y"\n\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:03\n'
-                              '\tMaximum resident set size (kbytes): 1000000\n')
-    assert time_report(tmp_path/'t') == dict(command='x y', wall_s=3723.0, peak_rss_gb=1.024)
-    (tmp_path/'u').write_text('nothing here')
-    with pytest.raises(ValueError, match='time -v'): time_report(tmp_path/'u')
+    (source/'rollouts.jsonl').write_text('{"step": 1}\n')
+    return keep_run(source, name, 'a test', runs=root/'runs', extra=('rollouts.jsonl',))
 
 def test_runs_table_renders_what_the_folders_hold(tmp_path):
     made_up(tmp_path, 'b-run', (0.8, 0.74, 0.85), (0.75, 0.7, 0.8), {1: (100, 0.9), 2: (50, 0.8), 4: (30, 0.5), 5: (20, 0.25)})
-    made_up(tmp_path, 'a-run', (0.5, 0.43, 0.57), None, {1: (100, 0.7), 'none': (10, 0.0)}, wall='5:00.00', rss_kb=2000000)
+    made_up(tmp_path, 'a-run', (0.5, 0.43, 0.57), None, {1: (100, 0.7), 'none': (10, 0.0)})
     runs = kept_runs(tmp_path/'runs')
     assert list(runs) == ['a-run', 'b-run']                           # in name order
     rows = runs_table(runs, ['b-run', 'a-run'])                       # or in the order asked
@@ -41,18 +36,38 @@ def test_runs_table_renders_what_the_folders_hold(tmp_path):
     assert rows[0]['MI vs null'] == '0.90 vs 0.40 ± 0.05'
     assert rows[0]['3+ moves, greedy'] == f'{(30 * 0.5 + 20 * 0.25) / 50:.3f} of 50'
     assert rows[1]['3+ moves, greedy'] == 'none' and rows[1]['T=0.5'] == ''
-    assert (rows[0]['wall min'], rows[0]['peak GB'], rows[1]['wall min'], rows[1]['peak GB']) == ('32.0', '3.7', '5.0', '2.0')
+    assert [r['record'] for r in rows] == ['program', 'program'] and rows[0]['command'] == 'ragen_nb train-cpu OUTPUT_DIR=.'
+    wall, peak = runs['b-run']['wall_s'], runs['b-run']['peak_rss_gb']   # what the process measured, not typed
+    assert rows[0]['wall min'] == (f'{wall / 60:.1f}' if wall else '') and rows[0]['peak GB'] == f'{peak:.1f}' and peak > 0.1
     assert [r['run'] for r in baselines_table(runs['b-run'])] == ['uniform random actions', 'BFS']
+    assert (tmp_path/'runs'/'b-run'/'rollouts.jsonl').exists()        # an extra file asked for is kept too
+    assert json.loads((tmp_path/'runs'/'b-run'/'run.json').read_text())['kept'] == dict(name='b-run', purpose='a test')
     table = markdown(rows, ['run', 'greedy'])
     assert table.splitlines() == ['| run | greedy |', '| --- | --- |', '| b-run | 0.800 (0.740-0.850) |', '| a-run | 0.500 (0.430-0.570) |']
 
+def test_the_table_refuses_runs_judged_with_different_reply_budgets_unless_told_and_then_says_so(tmp_path):
+    made_up(tmp_path, 'eight', (0.8, 0.74, 0.85), None, {1: (100, 0.9)}, reply=8)
+    made_up(tmp_path, 'long', (0.5, 0.43, 0.57), None, {1: (100, 0.7)}, reply=24)
+    made_up(tmp_path, 'also-eight', (0.6, 0.53, 0.67), None, {1: (100, 0.7)}, reply=8)
+    runs = kept_runs(tmp_path/'runs')
+    assert eval_settings(runs['long'])['max_response_length'] == 24 and set(eval_settings(runs['long'])) == set(SCORE_SETTINGS)
+    with pytest.raises(ValueError, match='eight, long were not all judged alike .max_response_length differ.'):
+        runs_table(runs, ['eight', 'long'])
+    assert [r['judged with'] for r in runs_table(runs, ['eight', 'long'], mixed=True)] == ['MAX_RESPONSE_LENGTH=8', 'MAX_RESPONSE_LENGTH=24']
+    assert [r['judged with'] for r in runs_table(runs, ['eight', 'also-eight'])] == ['', '']   # judged alike: nothing to say
+
 def test_kept_runs_name_no_path_of_the_machine_they_ran_on(tmp_path):
     made_up(tmp_path, 'r', (0.8, 0.74, 0.85), None, {1: (10, 1.0)})
-    assert read_run(tmp_path/'runs'/'r')['eval_info']['model'] == 'r/global_step_30'
+    run = read_run(tmp_path/'runs'/'r')
+    assert run['eval_info']['settings']['model'] == 'r/global_step_30' and run['sessions'][0]['settings']['output_dir'] == '.'
     for folder in RUNS.iterdir():
         for f in folder.glob('*.json*'):
             text = f.read_text()
             assert not re.search(r'/(tmp|work|home|root|Users)/', text), f'{f} names a path of the machine it ran on'
+
+def test_keeping_needs_a_run_the_program_recorded(tmp_path):
+    (tmp_path/'bare').mkdir(); (tmp_path/'bare'/'metrics.jsonl').write_text('{"step": 1}\n')
+    with pytest.raises(FileNotFoundError, match='holds no run.json'): keep_run(tmp_path/'bare', 'bare', 'x', runs=tmp_path/'runs')
 
 def test_every_kept_run_says_how_it_was_made():
     runs = kept_runs()
@@ -60,9 +75,11 @@ def test_every_kept_run_says_how_it_was_made():
     for name, run in runs.items():
         assert run['name'] == name and run['command'] and run['commit'] and run['machine'] and run['purpose'], name
         assert run['eval'] or run['metrics'], f'{name} holds neither eval.json nor metrics.jsonl'
+        assert run['record'] == 'program' or run['provenance'].startswith('typed by hand'), name   # a hand record says so
+        if run['eval']: assert 'max_response_length' in run['eval_info']['settings'], f'{name}: its eval settings are not recorded'
 
 def test_the_readme_tables_are_the_results_tables():
-    "Each results table of the README is `markdown(runs_table(...))` of the kept runs, as 20_results prints it."
+    "Each results table of the README is `markdown(runs_table(...))` of the kept runs, as 22_results prints it."
     readme = (ROOT/'README.md').read_text()
     runs = kept_runs()
     tables = re.findall(r'((?:^\|.*\|$\n?)+)', readme, re.M)
@@ -74,7 +91,7 @@ def test_the_readme_tables_are_the_results_tables():
         names = [l.strip('|').split('|')[0].strip() for l in lines[2:]]
         kept = [n for n in names if n in runs]
         base = [n for n in names if n not in runs]
-        rendered = runs_table(runs, kept)
+        rendered = runs_table(runs, kept, mixed='judged with' in columns)   # a table that mixes eval settings must say so
         if base:   # the baselines rows come from the first run's eval table
             rendered += [r for r in baselines_table(runs[kept[0]]) if r['run'] in base]
-        assert table.strip() == markdown(rendered, columns), 'the README table differs from runs_table: paste 20_results\' output'
+        assert table.strip() == markdown(rendered, columns), 'the README table differs from runs_table: paste 22_results\' output'

@@ -8,9 +8,9 @@ from ragen_nb.sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text, s
 from ragen_nb.data import coordinates_line, render_prompt, first_message, followup_text, observation_message, question
 from ragen_nb.rollout import (parse_action, truncate_after_answer, HFEngine, ScriptedEngine, RolloutConfig, rollout,
                               env_reply, CUT_MARKER, CLOSE)
-from ragen_nb.engines import SharedPrefixEngine, SyncedEngine, common_prefix_length
+from ragen_nb.engines import SharedPrefixEngine, common_prefix_length
 
-# The old HFEngine shared the prompt start by default; now HFEngine is plain left padding and SharedPrefixEngine (12)
+# The old HFEngine shared the prompt start by default; now HFEngine is plain left padding and SharedPrefixEngine (14)
 # shares it. Every engine test runs on both: they must give the same answers.
 ENGINES = pytest.mark.parametrize('Engine', [HFEngine, SharedPrefixEngine], ids=['plain', 'shared'])
 
@@ -24,9 +24,6 @@ def tiny(): return tiny_model(tokenizer())
 
 @functools.cache
 def smollm(): return load_model()
-
-@pytest.fixture
-def tok(): return tokenizer()
 
 def encode(text): return tokenizer().encode(text, add_special_tokens=False)
 
@@ -185,7 +182,7 @@ def test_engine_shared_prefix_gives_the_plain_answers(tok):
     assert shared.name == plain.name == 'hf' and ScriptedEngine(tok, str).name == 'scripted'
     with pytest.raises(TypeError): HFEngine(model, tok, share_prefix=False)   # plain now; sharing is SharedPrefixEngine's
     for e in (shared, plain):   # both sample from the model itself: no weights of their own to free or refresh
-        assert not isinstance(e, SyncedEngine) and not any(hasattr(e, m) for m in ('sleep', 'wake', 'sync'))
+        e.before_update(); assert e.after_update(model) == 0.0 and not any(hasattr(e, m) for m in ('sleep', 'wake', 'sync'))
     a, b = (rollout(e, tok, rooms, SETTINGS, cfg, seed=2) for e in (shared, plain))
     assert [t.ids for t in a] == [t.ids for t in b] and max(map(len, a)) > min(map(len, a))
     torch.testing.assert_close(torch.tensor([l for t in a for l in t.logprobs]), torch.tensor([l for t in b for l in t.logprobs]),

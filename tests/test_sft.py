@@ -22,18 +22,6 @@ SEED_SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_d
 SEEDS = range(10000, 10040)
 
 
-@pytest.fixture(scope='module')
-def tok(): return load_tokenizer()
-
-
-@pytest.fixture(scope='module')
-def tiny_dir(tok, tmp_path_factory):
-    "A tiny random model saved as a folder, so BASE_MODEL can point at it."
-    d = tmp_path_factory.mktemp('tiny')
-    tiny_model(tok).save_pretrained(d); tok.save_pretrained(d)
-    return d
-
-
 def scripted_bfs(seed, think):
     "A reply function: the solver's move for the turn being answered (found here, apart from `demonstration`), then a ramble."
     env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
@@ -225,8 +213,8 @@ def test_help_lists_every_setting_with_its_doc(capsys):
     assert text == SFTConfig.help() + '\n'
     assert issubclass(SFTConfig, RunSettings) and text.startswith('ragen_nb sft KEY=value')
     env = SFTConfig.env_vars()   # RAGEN's exported variables that SFT reads: the room and episode limits, not the run's
-    assert env == ('DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'BASE_MODEL', 'MAX_START_LENGTH',
-                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS')
+    assert env == ('DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'MAX_START_LENGTH',
+                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS', 'BASE_MODEL')
     for f in dataclasses.fields(SFTConfig): assert (f'[env {f.name.upper()}]' in text) == (f.name.upper() in env)
 
 
@@ -281,8 +269,11 @@ def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_pa
     assert [round(r['lr'], 6) for r in rows] == [0.0, 0.005, 0.01, 0.005]                # warm-up 2 steps, then linear to 0
     assert [r.get('val/rooms') for r in rows] == [None, None, 3, 3]                     # every 3 steps and after the last
     assert rows[-1]['rooms_skipped'] > 0 and rows[-1]['answers'] <= 2 * rows[-1]['examples']   # MAX_TURNS=2: rooms of 1-2 moves
-    assert sorted(p.name for p in (tmp_path/'run').iterdir()) == ['global_step_2', 'global_step_4', 'metrics.jsonl']
+    assert sorted(p.name for p in (tmp_path/'run').iterdir()) == ['global_step_2', 'global_step_4', 'metrics.jsonl', 'run.json']
     saved = json.loads((tmp_path/'run'/'global_step_4'/SFT_FILE).read_text())
+    saved['config'] = json.loads((tmp_path/'run'/'global_step_4'/'settings.json').read_text())   # the run's settings, beside it
+    session, = json.loads((tmp_path/'run'/'run.json').read_text())['sessions']                # the command's own record
+    assert session['kind'] == 'sft' and session['status'] == 'done' and session['step'] == 4 and session['settings'] == saved['config']
     assert saved['step'] == 4 and saved['config']['lr'] == 0.01 and saved['metrics'] == rows[-1]
 
 

@@ -1,11 +1,17 @@
-"StarPO-S pieces: room groups, the variance filter (exactly the top groups, RAGEN's rounding, ties), and the collapse diagnostics on scripted policies."
+"StarPO-S pieces: room groups, the variance filter (exactly the top groups, RAGEN's rounding, ties), the collapse diagnostics on scripted policies, and the echo-trap rule on real runs and in the curves."
 import numpy as np
 import pytest
 import torch
 
 from ragen_nb.advantages import group_ids, room_groups
-from ragen_nb.starpo import (COLLAPSE_PATIENCE, collapse_metrics, collapse_warning, collapsing, filter_groups, filter_metrics,
-                             first_actions, group_reward_std, kept_groups, top_p_groups)
+import json
+from pathlib import Path
+from PIL import Image
+from ragen_nb.starpo import (PANELS, STUCK_AT, STUCK_STEPS, collapse_metrics, collapse_warning, collapsing, echo_trap, filter_groups,
+                             filter_metrics, first_actions, group_reward_std, kept_groups, plot_run, read_metrics, series, stuck_share,
+                             synthetic_metrics, top_p_groups)
+
+RUNS = Path(__file__).resolve().parents[1]/'data'/'runs'
 from ragen_nb.tokens import Trajectory
 
 
@@ -126,50 +132,90 @@ def test_zero_std_share_and_first_actions():
     m = collapse_metrics(trajs, 4)
     assert m['collapse/zero_std_share'] == 0.25 and m['collapse/first_actions'] == 2
     assert first_actions([Trajectory(seed=1)]) == [None]                             # no turn at all
-    line = collapse_warning({**m, 'actor/entropy': 1.5})
-    assert line.startswith(f"for {COLLAPSE_PATIENCE} steps in a row the policy's first move has not depended on the room (")
-    assert COLLAPSE_PATIENCE == 3 and '(2 first moves, chosen without looking at the room;' in line
-    assert f"information {m['collapse/room_action_mi']:.2f} nats" in line and 'in 25% of rooms every rollout' in line
-    assert 'ACTOR_LR' in line and 'GROUP_SIZE' in line
-    one = collapse_warning({**m, 'collapse/first_actions': 1}, patience=5)
-    assert one.startswith('for 5 steps in a row') and '(one first move everywhere;' in one
 
 
-def verdict(detected, first_actions=2, zero_std_share=0.5, step=1):
-    "A metrics line of a step with room groups: the collapse verdict and what `collapsing` reads beside it."
-    return {'step': step, 'collapse/detected': float(detected), 'collapse/first_actions': first_actions,
-            'collapse/zero_std_share': zero_std_share, 'collapse/room_action_mi': 0.01, 'collapse/room_action_mi_null': 0.02,
-            'collapse/room_action_mi_null_std': 0.01}
+def line(step, stuck, success=0.05):
+    "A metrics line of a step with room groups whose estimated stuck share is `stuck` (at training success `success`)."
+    return {'step': step, 'train/success_rate': success, 'collapse/zero_std_share': stuck / (1 - success), 'collapse/first_actions': 2}
 
 
-def test_collapsing_needs_three_steps_in_a_row_of_a_room_blind_first_move_and_rollouts_that_stopped_varying():
-    bad, fine = verdict(1), verdict(0)
-    assert not collapsing([]) and not collapsing([bad]) and not collapsing([bad, bad])      # a trend, not one step
-    assert collapsing([bad] * 3) and collapsing([fine, bad, bad, bad]) and not collapsing([bad, bad, fine])
-    assert not collapsing([bad, fine, bad, bad])                                             # in a row
-    assert collapsing([bad, bad, {'step': 3, 'val/success_rate': 0.5}, bad])                 # lines without a verdict are passed over
-    # detected, but the rollouts still vary: several first moves and under half the rooms tied
-    assert not collapsing([bad, bad, verdict(1, first_actions=2, zero_std_share=0.25)])
-    assert collapsing([bad, bad, verdict(1, first_actions=1, zero_std_share=0.0)])           # one first move everywhere
-    assert collapsing([verdict(1, 3, 0.75)] * 3)                                             # most rooms tied
-    assert collapsing([bad] * 2, patience=2) and not collapsing([bad] * 2, patience=3)
+def test_stuck_share_is_tied_groups_times_failures():
+    assert stuck_share({'step': 1, 'collapse/zero_std_share': 0.5, 'train/success_rate': 0.25}) == 0.375
+    assert stuck_share({'step': 1, 'val/success_rate': 0.5}) is None and stuck_share({'step': 0}) is None
 
 
-def test_the_run_log_warns_once_when_collapsing_turns_true(tmp_path, capsys):
+def test_echo_trap_is_a_trend_of_stuck_rooms_and_starts_at_its_first_stuck_step():
+    assert STUCK_AT == 0.4 and STUCK_STEPS == 3
+    calm = [line(s, 0.1) for s in range(1, 6)]
+    assert echo_trap(calm) == [] and not collapsing(calm)
+    assert echo_trap(calm + [line(6, 0.9), line(7, 0.9)]) == [(6, 7)]                  # (0.1 + 0.9 + 0.9) / 3 ≥ 0.4 at step 7; stuck from 6
+    assert echo_trap(calm + [line(6, 0.9)]) == []                                       # (0.1 + 0.1 + 0.9) / 3 < 0.4: one step is no trend
+    trap = calm + [line(6, 0.9), line(7, 0.9), line(8, 0.9), line(9, 0.0), line(10, 0.0), line(11, 0.0), line(12, 0.7), line(13, 0.7)]
+    assert echo_trap(trap) == [(6, 9), (12, 13)] and collapsing(trap) and not collapsing(trap[:-2])
+    assert echo_trap([line(1, 0.9), {'step': 2, 'val/success_rate': 0.1}, line(3, 0.9), line(4, 0.9)]) == [(1, 4)]   # val lines skipped
+    text = collapse_warning(trap[:8])
+    assert text.startswith('the echo trap since step 6: over the last 3 steps, in 90% of rooms every rollout failed alike')
+    assert 'training success 0.05, against 0.05 at its best' in text and '2 distinct first moves' in text and 'KEEP_BEST=True' in text
+
+
+def test_the_rule_flags_the_kept_run_that_collapsed_where_it_began_and_none_that_did_not():
+    "The main job's first recipe, kept four times: SEED=0 on two CPUs (the Xeon one collapsed late), SEED=1, and SEED=2."
+    runs = {name: read_metrics(RUNS/name) for name in ('main-job-seed0', 'main-job-seed1', 'main-job-seed0-xeon', 'main-job-seed2-xeon')}
+    assert {name: echo_trap(r) for name, r in runs.items()} == {'main-job-seed0': [], 'main-job-seed1': [],
+                                                                'main-job-seed0-xeon': [(27, 30)], 'main-job-seed2-xeon': []}
+    for records in runs.values():   # the untrained model at step 1 is room-blind (collapse/detected) but not stuck
+        first = next(r for r in records if r['step'] == 1)
+        assert first["collapse/detected"] == 1.0 and stuck_share(first) < STUCK_AT
+        assert not any(collapsing(records[:k]) for k in range(1, 20))   # nothing before step 20 in any of them
+
+
+def test_the_run_log_warns_once_when_the_echo_trap_begins(tmp_path, capsys):
     from ragen_nb.config import Config
     from ragen_nb.runlog import RunLog
     log = RunLog(tmp_path/'run', Config(), done=0)
     assert (tmp_path/'run'/'metrics.jsonl').exists()                                         # RunLog makes the run folder
-    said = []
-    for step, detected in enumerate([1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1], start=1):
-        log.write(verdict(detected, step=step))
+    said, records = [], []
+    for step, stuck in enumerate([0.1, 0.9, 0.9, 0.9, 0.0, 0.0, 0.0, 0.9, 0.9, 0.9], start=1):
+        records.append(line(step, stuck)); log.write(records[-1])
         said.append(capsys.readouterr().err)
     warned = [step for step, err in enumerate(said, start=1) if err]
-    assert warned == [6, 12]                                                                 # the third step in a row, once per entry
-    assert said[5] == f'warning: step 6: {collapse_warning(verdict(1, step=6))}\n'
+    assert warned == [3, 9]                                                                  # once per entry into the trap
+    assert said[2] == f'warning: step 3: {collapse_warning(records[:3])}\n'
     log.close()
-    assert len((tmp_path/'run'/'metrics.jsonl').read_text().splitlines()) == 12
+    assert len((tmp_path/'run'/'metrics.jsonl').read_text().splitlines()) == 10
     quiet = RunLog(tmp_path/'other', Config(), done=0, main=False)                          # not the main process: nothing at all
-    for step in range(1, 5): quiet.write(verdict(1, step=step))
+    for step in range(1, 5): quiet.write(line(step, 0.9))
     quiet.say('hello'); quiet.close()
     assert capsys.readouterr().err == '' and not (tmp_path/'other').exists()
+
+
+def test_plot_run_shades_the_synthetic_echo_trap_and_not_a_calm_run(tmp_path):
+    run = tmp_path/'run'; run.mkdir()
+    (run/'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in synthetic_metrics(collapse_at=70)))
+    fig = plot_run(run, tmp_path/'curves.png')
+    (start, end), = fig.echo_trap
+    assert 70 <= start <= 80 and end == 120
+    assert 'WARNING: the echo trap at steps' in fig._suptitle.get_text() and Image.open(tmp_path/'curves.png').format == 'PNG'
+    calm = plot_run(synthetic_metrics(collapse_at=None))
+    assert calm.echo_trap == [] and 'WARNING' not in calm._suptitle.get_text()
+    kept = plot_run(RUNS/'main-job-seed0')   # low entropy at the end, every room solved: no warning
+    assert kept.echo_trap == [] and 'WARNING' not in kept._suptitle.get_text()
+
+
+def test_plot_run_nulls_and_missing_keys():
+    records = [{'step': 1, 'score/mean': 1.0, 'actor/entropy': None}, {'step': 2, 'score/mean': None}, {'step': 3, 'score/mean': 3.0}]
+    steps, values = series(records, 'score/mean')
+    assert steps.tolist() == [1, 3] and values.tolist() == [1.0, 3.0]
+    fig = plot_run(records)
+    no_data = [ax.get_title() for ax in fig.axes if any(t.get_text() == 'no data' for t in ax.texts)]
+    assert no_data == [title for title, keys in PANELS if 'score/mean' not in keys]
+
+
+def test_read_metrics_lines(tmp_path):
+    path = tmp_path/'metrics.jsonl'
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "score/me')
+    with pytest.warns(UserWarning, match='line 3: unfinished last line'): assert read_metrics(tmp_path) == [{'step': 1}, {'step': 2}]
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r'metrics\.jsonl, line 2, is not a JSON record'): read_metrics(path)
+    (tmp_path/'empty').mkdir()
+    with pytest.raises(FileNotFoundError, match=r'empty/metrics\.jsonl does not exist'): read_metrics(tmp_path/'empty')

@@ -13,9 +13,6 @@ SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=
 @functools.cache
 def tokenizer(): return load_tokenizer()
 
-@pytest.fixture
-def tok(): return tokenizer()
-
 def encode(tok, text): return tok.encode(text, add_special_tokens=False)
 
 def hand_episode(tok, seed, answers):

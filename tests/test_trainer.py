@@ -8,7 +8,8 @@ import torch
 
 import ragen_nb.advantages as advantages
 from ragen_nb.config import Config
-from ragen_nb.gae import ValueModel, forward_values, gae, whiten
+from ragen_nb.masking import ValueModel, forward_values
+from ragen_nb.gae import gae, whiten
 from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
 from ragen_nb.models import load_tokenizer, tiny_model, with_lora
 from ragen_nb.ppo import entropy_from_logits
@@ -20,10 +21,6 @@ README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=
               max_turns=5, num_update_per_roll=1, gcp=True, n_gpus=1, rollout_tp_size=1, gamma=1.0, lam=1.0,
               actor_lr=1e-6, critic_lr=1e-5, clip_ratio_low=0.2, clip_ratio_high=0.2, value_clip=0.5, entropy_coef=0.001, kl_coef=0.001,
               temperature=1.0)
-
-
-@pytest.fixture(scope='module')
-def tok(): return load_tokenizer()
 
 
 def episode(tok, answer, reward, seed):
@@ -523,14 +520,6 @@ OPTIONAL = ({'actor/dual_clipfrac', 'actor/kl_loss', 'val/mi', 'val/mi_null', 'v
             | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/'))})
 
 
-@pytest.fixture(scope='module')
-def tiny_dir(tok, tmp_path_factory):
-    "A tiny random model saved as a folder, so BASE_MODEL can point at it."
-    d = tmp_path_factory.mktemp('tiny')
-    tiny_model(tok).save_pretrained(d); tok.save_pretrained(d)
-    return d
-
-
 def run_args(tiny_dir, out, name, *extra):
     return [f'BASE_MODEL={tiny_dir}', f'OUTPUT_DIR={out}', f'EXPERIMENT_NAME={name}', *TINY_RUN, *extra]
 
@@ -556,9 +545,10 @@ def test_room_seeds_read_the_curated_files_and_check_their_settings(tok, tmp_pat
     from ragen_nb.data import curate
     from ragen_nb.sokoban import EnvSettings
     curate(tmp_path, seed=500, train_size=3, test_size=2, settings=EnvSettings(6, 6, 1, 5, 30), tokenizer=tok, progress=False)
-    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=2)) == {'train': [500, 501, 502], 'test': [503, 504]}
-    with pytest.raises(ValueError, match='VAL_ROOMS=2'): room_seeds(Config(data_dir=str(tmp_path), val_rooms=3))
-    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=3, test_freq=0))['test'] == [503, 504]   # no validation
+    # validation takes the last train rooms, never trained on and never judged (judging plays the test rooms)
+    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=2)) == {'train': [500], 'val': [501, 502], 'test': [503, 504]}
+    with pytest.raises(ValueError, match='set VAL_ROOMS below 3'): room_seeds(Config(data_dir=str(tmp_path), val_rooms=3))
+    assert room_seeds(Config(data_dir=str(tmp_path), val_rooms=3, test_freq=0)) == {'train': [500, 501, 502], 'val': [], 'test': [503, 504]}
     with pytest.raises(ValueError, match='settings'): room_seeds(Config(data_dir=str(tmp_path), max_steps=7))
     with pytest.raises(FileNotFoundError, match=f"ragen_nb data --output {tmp_path/'none'}"):   # a folder without files
         room_seeds(Config(data_dir=str(tmp_path/'none')))                   # is an error, not a run on other rooms
@@ -670,16 +660,17 @@ def test_a_new_run_refuses_a_used_folder(tiny_dir, tmp_path, capsys):
 
 
 def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkeypatch):
-    real = trainer.ppo_step
-    def nan_at_step_2(trajs, *args, **kwargs):
+    real = trainer.ppo_update
+    def nan_at_step_2(b, *args, **kwargs):
         if kwargs['step'] == 2: raise FloatingPointError('step 2: non-finite loss (pg_loss=nan, vf_loss=nan).')
-        return real(trajs, *args, **kwargs)
-    monkeypatch.setattr(trainer, 'ppo_step', nan_at_step_2)
+        return real(b, *args, **kwargs)
+    monkeypatch.setattr(trainer, 'ppo_update', nan_at_step_2)
     cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0'))
     out = train(cfg, progress=False)
     assert out['steps'] == 1 and 'step 2' in out['error'] and out['checkpoint'].endswith('global_step_1')
     assert [r['step'] for r in read_metrics(out['run'])] == [1]
-    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['curves.png', 'global_step_1', 'metrics.jsonl']
+    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['curves.png', 'global_step_1', 'metrics.jsonl', 'run.json']
+    assert json.loads((Path(out['run'])/'run.json').read_text())['sessions'][0]['status'] == 'failed'
     assert train_main(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0',
                                'RESUME=True')) == 1
 
@@ -687,13 +678,13 @@ def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkey
 def test_the_turn_cache_is_forgotten_before_each_update(tiny_dir, tmp_path, monkeypatch):
     "TURN_CACHE=True: the engine still holds the rollout's last keys and values when the rollout returns, and none in the update."
     engines, held = [], []
-    real_engine, real_rollout, real_step = trainer.make_engine, trainer.rollout, trainer.ppo_step
+    real_engine, real_rollout, real_score = trainer.make_engine, trainer.rollout, trainer.score_batch
     monkeypatch.setattr(trainer, 'make_engine', lambda *a, **kw: engines.append(real_engine(*a, **kw)) or engines[-1])
     def spy_rollout(*a, **kw):
         out = real_rollout(*a, **kw); held.append(('rollout', len(engines[0].kept))); return out
-    def spy_step(*a, **kw):
-        held.append(('update', len(engines[0].kept))); return real_step(*a, **kw)
-    monkeypatch.setattr(trainer, 'rollout', spy_rollout); monkeypatch.setattr(trainer, 'ppo_step', spy_step)
+    def spy_score(*a, **kw):
+        held.append(('update', len(engines[0].kept))); return real_score(*a, **kw)
+    monkeypatch.setattr(trainer, 'rollout', spy_rollout); monkeypatch.setattr(trainer, 'score_batch', spy_score)
     out = train(Config.from_args(run_args(tiny_dir, tmp_path, 'cache', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'TURN_CACHE=True')),
                 progress=False)
     assert out['error'] is None and type(engines[0]).__name__ == 'TurnCacheEngine'
@@ -730,7 +721,7 @@ def test_help_lists_every_setting_with_default_and_env_var(capsys):
 # --- the shared critic and LoRA ----------------------------------------------------------------------------------------
 
 def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
-    from ragen_nb.gae import policy_and_values
+    from ragen_nb.masking import policy_and_values
     actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
     b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
     logprobs, entropies, values = policy_and_values(actor, critic, b, temperature=2.0)
@@ -760,7 +751,7 @@ def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_so
 
 
 def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
-    from ragen_nb.gae import policy_and_values
+    from ragen_nb.masking import policy_and_values
     b = collate([episode(tok, 'Up', 1., 0)], tok.pad_token_id)
     grads = {}
     for kind in ('shared', 'separate'):
@@ -867,7 +858,7 @@ def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp
     steps = ['TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LORA_RANK=4', 'CRITIC=shared', 'KL_COEF=0.01', 'GCP=False']
     whole = train(Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps)), progress=False)
     ckpt = Path(whole['checkpoint'])
-    assert sorted(p.name for p in ckpt.iterdir()) == ['actor', 'actor_lora', 'critic', 'state.pt']
+    assert sorted(p.name for p in ckpt.iterdir()) == ['actor', 'actor_lora', 'critic', 'settings.json', 'state.pt']
     assert sorted(p.name for p in (ckpt/'critic').iterdir()) == ['value_head.safetensors']   # shared: the head only
     trajs = [episode(load_tokenizer(), 'Up', 1., 0)]
     b = collate(trajs, 2)
@@ -888,9 +879,9 @@ def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_
     def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # group of room s scores 0 and s % 7: std (s % 7) / sqrt 2
         rolled.append(list(seeds))
         return [episode(tok, 'Up', float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
-    real_step = trainer.ppo_step
-    def spy_step(trajs, *args, **kwargs): updated.append([t.seed for t in trajs]); return real_step(trajs, *args, **kwargs)
-    monkeypatch.setattr(trainer, 'rollout', fake_rollout); monkeypatch.setattr(trainer, 'ppo_step', spy_step)
+    real_score = trainer.score_batch
+    def spy_score(trajs, *args, **kwargs): updated.append([t.seed for t in trajs]); return real_score(trajs, *args, **kwargs)
+    monkeypatch.setattr(trainer, 'rollout', fake_rollout); monkeypatch.setattr(trainer, 'score_batch', spy_score)
     cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'filter', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.5',
                                     'PPO_BATCH_SIZE=2', 'TOTAL_STEPS=2', 'TEST_FREQ=0', 'SAVE_FREQ=0'))
     train(cfg, progress=False)
@@ -911,7 +902,7 @@ def test_a_top_p_step_whose_groups_all_tie_updates_nothing_and_is_logged(tiny_di
     def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # step 1: every group ties; step 2: room s scores 0 and s % 7
         rolled.append(seeds)
         return [episode(tok, 'Up', 1. if len(rolled) == 1 else float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
-    updated = spy(monkeypatch, 'ppo_step')
+    updated = spy(monkeypatch, 'ppo_update')
     monkeypatch.setattr(trainer, 'rollout', fake_rollout)
     out = train(Config.from_args(run_args(tiny_dir, tmp_path, 'p', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.9',
                                           'ROLLOUT_FILTER_STRATEGY=top_p', 'PPO_BATCH_SIZE=4', 'TOTAL_STEPS=2', 'TEST_FREQ=0',
@@ -941,7 +932,7 @@ def test_a_critic_free_run_builds_saves_and_resumes_without_a_critic(tiny_dir, t
     calls, val_calls = spy(monkeypatch, 'rollout'), spy(monkeypatch, 'play')   # training rollouts; validation plays (10)
     whole = train(cfg, progress=False)
     assert 'rollout engine: hf' in capsys.readouterr().out
-    assert sorted(p.name for p in Path(whole['checkpoint']).iterdir()) == ['actor', 'state.pt']   # no critic/ folder
+    assert sorted(p.name for p in Path(whole['checkpoint']).iterdir()) == ['actor', 'settings.json', 'state.pt']   # no critic/ folder
     lines = read_metrics(tmp_path/'whole')
     assert not any(k.startswith('critic/') for r in lines for k in r) and all(r['rollout/engine'] == 'hf' for r in lines)
     assert {(len(c[2]), c[4].temperature) for c in val_calls} == {(3, 0)}    # VAL_ROOMS test rooms, greedy
@@ -966,21 +957,17 @@ def test_rollouts_of_one_room_are_sampled_independently(tok):
     assert len({t.seed for t in trajs}) == 1 and len({tuple(t.ids) for t in trajs}) == 4
 
 
-def test_validation_needs_val_rooms_test_rooms_before_anything_loads(tiny_dir, tmp_path):
-    with pytest.raises(ValueError, match='VAL_ROOMS=512'): train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=600')))
+def test_validation_rooms_are_withheld_train_rooms_disjoint_from_the_judged_ones(tiny_dir, tmp_path):
+    from ragen_nb.evaluate import heldout_seeds
+    seeds = room_seeds(Config(val_rooms=64))                                 # the default rooms: no curated files here
+    judged = set(heldout_seeds(500, None, Config().env_settings))           # the most rooms any kept eval judges
+    assert len(seeds['val']) == 64 and not set(seeds['val']) & judged and not set(seeds['val']) & set(seeds['train'])
+    assert seeds['train'] + seeds['val'] == list(range(10000, 20000))       # the train range, its last 64 set apart
+    with pytest.raises(ValueError, match='set VAL_ROOMS below 10000'):       # before anything loads
+        train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=10000')))
     assert not (tmp_path/'v').exists()
-    train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=600', 'TEST_FREQ=0', 'TOTAL_STEPS=1', 'SAVE_FREQ=0')),
-          progress=False)                                                    # no validation: no test rooms needed
-
-
-def test_the_engine_line_says_why_auto_did_not_pick_vllm(monkeypatch):
-    from ragen_nb.trainer import _engine_line
-    assert _engine_line(Config(rollout_engine='hf'), False, 1) == 'rollout engine: hf'
-    assert _engine_line(Config(rollout_engine='auto'), True, 1) == 'rollout engine: vllm (ROLLOUT_ENGINE=auto: vLLM is installed)'
-    monkeypatch.setattr(trainer, 'vllm_available', lambda: True)             # the same lines with or without vLLM here
-    assert _engine_line(Config(rollout_engine='auto'), False, 2) == 'rollout engine: hf (ROLLOUT_ENGINE=auto: 2 processes)'
-    monkeypatch.setattr(trainer, 'vllm_available', lambda: False)
-    assert _engine_line(Config(rollout_engine='auto'), False, 2) == 'rollout engine: hf (ROLLOUT_ENGINE=auto: vLLM is not installed)'
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'v', 'VAL_ROOMS=10000', 'TEST_FREQ=0', 'TOTAL_STEPS=1', 'SAVE_FREQ=0')),
+          progress=False)                                                    # no validation: no rooms withheld
 
 
 # --- several processes ------------------------------------------------------------------------------------------------
@@ -1055,7 +1042,7 @@ def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tm
     assert (tmp_path/'img'/'curves.png').stat().st_size > 10_000
 
 
-# --- vLLM rollouts (12) -------------------------------------------------------------------------------------------------
+# --- vLLM rollouts (14) -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('eager', [False, True])
 def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path, monkeypatch, eager):

@@ -1,4 +1,4 @@
-"Tests for ragen_nb.viz: the rollouts file, frames and trajectory figures, the token strip, the widget's content, learning curves."
+"Tests for ragen_nb.viz: the rollouts file, frames and trajectory figures, the token strip, the widget's content, small images."
 import dataclasses, functools, io, json, re, warnings
 import numpy as np
 import pytest
@@ -11,8 +11,8 @@ from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, render_rgb
 from ragen_nb.rollout import rollout, ScriptedEngine, RolloutConfig
 from ragen_nb.viz import (write_rollouts, read_rollouts, read_records, find_room, first_room, rooms_before_after, room_rgb,
                           trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs,
-                          read_jsonl, read_metrics, series, collapse_regions, plot_run, synthetic_metrics, PANELS,
-                          small_image)
+                          read_jsonl, small_image)
+from ragen_nb.starpo import plot_run, synthetic_metrics
 from ragen_nb.widget import token_strip, TrajectoryWidget
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
@@ -101,11 +101,14 @@ def test_find_room():
     assert find_room('####\n###\n#P#\n###\n') == '###\n#P#\n###'   # a longer line before does not join the run
     assert find_room('no room here') is None
 
-def test_first_room_from_prompt_equals_seeded_room(trajs):
+def test_first_room_is_the_one_kept_and_the_prompt_showed(trajs):
     tok = tokenizer()
     for t in trajs:
-        assert first_room(t, tok) == SokobanEnv(SETTINGS).reset(seed=t.seed) == first_room(t, settings=SETTINGS)
-    assert first_room(trajs[0]) is None
+        unkept = dataclasses.replace(t, room=None)                 # a rollouts file from before rooms were kept
+        assert first_room(t) == t.room == SokobanEnv(SETTINGS).reset(seed=t.seed) == first_room(unkept, tok)
+        assert first_room(unkept) is None                          # neither kept nor readable without the tokenizer
+    shifted = dataclasses.replace(trajs[0], room=trajs[0].observations[0])   # an episode that began elsewhere than its seed's room
+    assert first_room(shifted, tok) == trajs[0].observations[0]
 
 def test_rooms_before_after_chain(trajs):
     for t in trajs:
@@ -148,14 +151,14 @@ def test_cjk_warns_without_quiet_glyphs(trajs):
     with pytest.warns(UserWarning, match='missing from font'): fig.savefig(io.BytesIO(), format='png')
 
 def test_figure_without_first_room(trajs):
-    fig = trajectory_figure(trajs[0])                            # no tokenizer, no settings: the first board is a note
+    fig = trajectory_figure(dataclasses.replace(trajs[0], room=None))   # no room kept, no tokenizer: the first board is a note
     assert not fig.axes[0].images and 'room unknown' in fig.axes[0].texts[0].get_text()
     assert fig.axes[2].images                                    # the rooms after each turn are still known
 
 def test_save_trajectory_images(trajs, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        paths = save_trajectory_images(trajs, tmp_path/'img', step=12, n=2, settings=SETTINGS)
+        paths = save_trajectory_images(trajs, tmp_path/'img', step=12, n=2)
     assert [p.name for p in paths] == [f'step_000012_traj_{i}_seed_{trajs[i].seed}.png' for i in range(2)] + ['step_000012.pdf']
     assert all(Image.open(p).format == 'PNG' for p in paths[:2])
     assert len(re.findall(rb'/Type\s*/Page[^s]', paths[2].read_bytes())) == 2
@@ -240,49 +243,13 @@ def test_widget_static_html(trajs):
     assert TrajectoryWidget(trajs[:1], tokenizer())._repr_mimebundle_()['text/html'] == TrajectoryWidget(trajs[:1], tokenizer()).to_html()
 
 def test_widget_without_tokenizer(trajs):
-    w = TrajectoryWidget(trajs[:1])
+    assert TrajectoryWidget(trajs[:1])._boards(0, 0)[0][1] is not None   # the kept room needs no tokenizer
+    w = TrajectoryWidget([dataclasses.replace(trajs[0], room=None)])       # an older file: the prompt holds the first room
     assert w.pieces[0][0] == f'⟨{trajs[0].ids[0]}⟩' and w._boards(0, 0) == [('start', None)]
-    page = w.to_html()   # turn 1 has no 'before' room without tokenizer or settings; every later board is known
+    page = w.to_html()   # without the tokenizer turn 1 has no 'before' room; every later board is known
     assert page.count('before: room unknown') == 1 and page.count('<img ') == 2 * len(trajs[0].actions) - 1
 
-# ---------------------------------------------------------------- learning curves
-def test_collapse_regions_by_hand():
-    steps = np.arange(1, 101)
-    assert collapse_regions(steps, np.where(steps < 50, 1.0, 0.1)) == [(54.0, 100.0)]
-    assert collapse_regions(steps, np.where((steps >= 50) & (steps < 70), 0.0, 1.0)) == [(54.0, 69.0)]
-    assert collapse_regions(steps, np.ones(100)) == [] and collapse_regions(steps[:5], np.zeros(5)) == []
-    assert collapse_regions(steps * 10, np.where(steps < 50, 1.0, 0.1)) == [(540.0, 1000.0)]   # steps, not indices
-    assert collapse_regions(steps, -np.ones(100)) == []          # no positive early value: nothing to fall from
-
-def test_plot_run_flags_the_synthetic_collapse(tmp_path):
-    run = tmp_path/'run'; run.mkdir()
-    (run/'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in synthetic_metrics(collapse_at=70)))
-    fig = plot_run(run, tmp_path/'curves.png')
-    for key in ('score/std', 'actor/entropy'):
-        (start, end), = fig.collapses[key]
-        assert 75 <= start <= 90 and end == 120
-    assert 'WARNING' in fig._suptitle.get_text() and Image.open(tmp_path/'curves.png').format == 'PNG'
-    calm = plot_run(synthetic_metrics(collapse_at=None))
-    assert calm.collapses == {'score/std': [], 'actor/entropy': []} and 'WARNING' not in calm._suptitle.get_text()
-
-def test_plot_run_nulls_and_missing_keys():
-    records = [{'step': 1, 'score/mean': 1.0, 'actor/entropy': None}, {'step': 2, 'score/mean': None}, {'step': 3, 'score/mean': 3.0}]
-    steps, values = series(records, 'score/mean')
-    assert steps.tolist() == [1, 3] and values.tolist() == [1.0, 3.0]
-    fig = plot_run(records)
-    no_data = [ax.get_title() for ax in fig.axes if any(t.get_text() == 'no data' for t in ax.texts)]
-    assert no_data == [title for title, keys in PANELS if 'score/mean' not in keys]
-
-def test_read_metrics_lines(tmp_path):
-    path = tmp_path/'metrics.jsonl'
-    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "score/me')
-    with pytest.warns(UserWarning, match='line 3: unfinished last line'): assert read_metrics(tmp_path) == [{'step': 1}, {'step': 2}]
-    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=r'metrics\.jsonl, line 2, is not a JSON record'): read_metrics(path)
-    (tmp_path/'empty').mkdir()
-    with pytest.raises(FileNotFoundError, match=r'empty/metrics\.jsonl does not exist'): read_metrics(tmp_path/'empty')
-
-
+# ---------------------------------------------------------------- small images
 def test_small_image_keeps_the_figure_in_fewer_colours():
     fig = plot_run(synthetic_metrics())
     plain = io.BytesIO(); fig.savefig(plain, format='png', dpi=60, bbox_inches='tight')
