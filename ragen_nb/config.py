@@ -265,6 +265,11 @@ class Config(RunSettings):
     curriculum_steps: int = setting(0, "the first CURRICULUM_STEPS steps train on easier episodes (the next two settings); the rest, and every validation, on the run's own (0: none)")
     curriculum_search_depth: int = setting(4, 'SEARCH_DEPTH of the curriculum steps')
     curriculum_max_turns: int = setting(2, 'MAX_TURNS of the curriculum steps')
+    start_curriculum: bool = setting(False, "training episodes start START_MOVES optimal moves before their room's goal, further back as they succeed (12); validation and judging always play true starts")
+    start_moves: int = setting(1, 'where the start curriculum begins: this many optimal moves before the goal')
+    start_advance_at: float = setting(0.5, "move the starts back a move once this share of a step's episodes started there succeed")
+    start_true_share: float = setting(0.25, 'share of rooms started at their true start, wherever the start curriculum stands')
+    start_easier_share: float = setting(0.25, "share of rooms started nearer the goal than the start curriculum's frontier, so what was learnt stays learnt")
 
     @property
     def rooms_per_step(self) -> int:
@@ -372,6 +377,11 @@ class Config(RunSettings):
         _check(bool(self.log_mode) and all(m in LOG_MODES for m in self.log_mode.split(',')),
                f"log_mode={self.log_mode!r}: must be one or more of {LOG_MODES}, comma-separated")
         _check(not self.keep_best or self.test_freq, 'keep_best=True keeps the checkpoint validation prefers: set TEST_FREQ > 0 (e.g. 5)')
+        _check(self.start_moves >= 1, f"start_moves={self.start_moves}: a start must leave at least one move to play")
+        _check(0 < self.start_advance_at <= 1, f"start_advance_at={self.start_advance_at}: must be in (0, 1]")
+        _check(self.start_true_share >= 0 and self.start_easier_share >= 0 and self.start_true_share + self.start_easier_share <= 1,
+               f"start_true_share={self.start_true_share} and start_easier_share={self.start_easier_share}: shares of the rooms, "
+               "each >= 0, together at most 1")
         if self.curriculum_steps: self.at_step(1)   # raises a ValueError naming a bad curriculum setting
         return self
 

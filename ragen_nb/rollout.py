@@ -15,7 +15,7 @@ import torch
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList, TopPLogitsWarper)
 from .tokens import Trajectory, PROMPT, LLM, ENV
-from .sokoban import SokobanEnv, EnvSettings, ACTIONS
+from .sokoban import SokobanEnv, EnvSettings, ACTIONS, room_from_text
 from .data import TEMPLATES, render_prompt, followup_text, observation_message, prefill
 
 # %% ../nbs/04_rollout.ipynb #76ce4083
@@ -207,14 +207,14 @@ def _turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else mixed_seed(seed, turn)
 
 def rollout(engine: Engine, tokenizer, seeds: list[int], settings: EnvSettings | None = None, cfg: RolloutConfig | None = None,
-            seed: int | None = None) -> list[Trajectory]:
-    "Play the rooms of `seeds` with `engine`, all at once, turn by turn: one `Trajectory` per room."
+            seed: int | None = None, rooms: list[str | None] | None = None) -> list[Trajectory]:
+    "Play the rooms of `seeds` with `engine`, all at once, turn by turn: one `Trajectory` per room. `rooms[i]`, if given, is the room (as text) episode i starts from instead of its seed's (a training curriculum's start, `12_starts`; None: the seed's)."
     cfg = (cfg or RolloutConfig()).validate()
     eos, opening = tokenizer.eos_token_id, prefill(cfg.think) if cfg.prefilled else ''
     env_reply(tokenizer, '', cfg)  # fails early if max_obs_length cannot hold the turn markers
     envs, trajs = [SokobanEnv(settings) for _ in seeds], []
-    for env, s in zip(envs, seeds):
-        room = env.reset(seed=s)
+    for env, s, start in zip(envs, seeds, rooms or [None] * len(seeds)):
+        room = env.reset(seed=s) if start is None else env.load_room(*room_from_text(start))
         ids = tokenizer.encode(render_prompt(tokenizer, room, cfg.template, cfg.think, cfg.prefilled, cfg.coordinates),
                                add_special_tokens=False)
         if len(ids) > cfg.max_start_length:

@@ -172,10 +172,10 @@ class RunLog:
             self.wandb.log({'trajectories': [wandb.Image(str(p)) for p in paths if p.suffix == '.png']}, step=step)
         except Exception as e: warnings.warn(f"wandb image logging failed ({e}); stopping wandb"); self.wandb = None
 
-    def checkpoint(self, step: int, actor, tok, critic, actor_opt, critic_opt) -> Path | None:
-        "`save_checkpoint` of the run at `step`, with its settings; the path (None on other processes)."
+    def checkpoint(self, step: int, actor, tok, critic, actor_opt, critic_opt, files: dict | None = None) -> Path | None:
+        "`save_checkpoint` of the run at `step`, with its settings and `files` (JSON beside them); the path (None on other processes)."
         if not self.main: return None
-        return save_checkpoint(self.run, step, actor, tok, critic, actor_opt, critic_opt, config=dataclasses.asdict(self.cfg))
+        return save_checkpoint(self.run, step, actor, tok, critic, actor_opt, critic_opt, config=dataclasses.asdict(self.cfg), files=files)
 
     def best(self, step: int, val: dict):
         "Name the checkpoint of `step` as the one validation prefers (`best.json`, with its `val/` metrics)."
