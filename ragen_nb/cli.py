@@ -237,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 # %% ../nbs/21_cli.ipynb #77ca5ae8
-def recipe_eval(argv: list[str], command: list[str] | None = None, n: int = 200, samples: int = 2) -> int:
-    "After `train-cpu`: `eval_main` on the run's checkpoint (the one validation preferred with KEEP_BEST=True, else the last) on `n` held-out rooms, greedy and `samples` per room at T=0.5 (for the room/first-action MI), beside the model it started from (greedy) and the baselines, in the episodes it trained on; the tables go to the run folder's `eval.json`, the session to its `run.json`."
+def recipe_eval(argv: list[str], command: list[str] | None = None) -> int:
+    "After `train-cpu`: `eval_main` on the run's checkpoint (the one validation preferred with KEEP_BEST=True, else the last) on EVAL_ROOMS held-out rooms, greedy and EVAL_SAMPLES per room at T=0.5 (for the room/first-action MI), beside the model it started from (greedy) and the baselines, in the episodes it trained on; the tables go to the run folder's `eval.json`, the session to its `run.json`."
     cfg = Config.from_env(argv)
+    n, samples = cfg.eval_rooms, cfg.eval_samples
     run = Path(cfg.output_dir)/cfg.experiment_name
     checkpoint = (best_checkpoint(run) if cfg.keep_best else None) or latest_checkpoint(run)
     if checkpoint is None:

@@ -203,12 +203,11 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
                  'MEASURE_KL_REF=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=10', 'TOTAL_STEPS=30', 'SAVE_FREQ=10',
                  'ROLLOUT_ENGINE=hf', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=10', 'LOG_N_IMAGE_PER_BATCH=2'],
     'ragen-6x6': ['EXPERIMENT_NAME=cpu-ragen-6x6', 'SEARCH_DEPTH=30', 'MAX_TURNS=5', 'MAX_STEPS=5', 'MAX_RESPONSE_LENGTH=8',
-                  'CURRICULUM_STEPS=20', 'CURRICULUM_SEARCH_DEPTH=4', 'CURRICULUM_MAX_TURNS=2',
-                  'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
-                  'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0',
-                  'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=False', 'BF16=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64',
-                  'TEST_FREQ=0', 'TOTAL_STEPS=24', 'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf', 'TURN_CACHE=True',
-                  'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8', 'LOG_N_IMAGE_PER_BATCH=2'],
+                  'START_CURRICULUM=True', 'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False',
+                  'SHARE_PREFIX=True', 'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0', 'MEASURE_KL_REF=False',
+                  'RECOMPUTE_OLD_LOGPROBS=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=8', 'KEEP_BEST=True', 'TOTAL_STEPS=48',
+                  'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf', 'TURN_CACHE=True', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8',
+                  'LOG_N_IMAGE_PER_BATCH=2', 'EVAL_ROOMS=500'],
 }
 RECIPES = {**CPU_RECIPES, **RAGEN_RECIPES}
 
@@ -253,6 +252,8 @@ class Config(RunSettings):
     val_temperature: float = setting(0.0, 'sampling temperature at validation (0: greedy, as RAGEN)')
     val_samples: int = setting(1, 'rollouts per validation room; more than 1 needs val_temperature > 0')
     keep_best: bool = setting(False, 'save a checkpoint whenever validation beats every earlier one (ties: the later) and judge that one after train-cpu, so a late collapse cannot decide the result')
+    eval_rooms: int = setting(200, 'held-out rooms that train-cpu judges the run on when it ends (10; RAGEN-2 judged 512)')
+    eval_samples: int = setting(2, 'episodes per held-out room at T=0.5 in that eval, for the room/first-action MI')
     critic: str = setting('separate', "'separate': own trunk, as RAGEN and verl; 'shared': a value head on the actor's final hidden states (07)")
     rollout_engine: str = setting('auto', "'hf' (HF generate on the actor), 'vllm' (14, synced after each update) or 'auto' (vllm if installed)")
     turn_cache: bool = setting(False, "HF generate keeps each row's keys and values from one turn to the next (14, TurnCacheEngine): the same answers to float rounding, fewer tokens run in long episodes")
@@ -303,7 +304,7 @@ class Config(RunSettings):
     def validate(self) -> 'Config':
         "Raise ValueError naming the first setting that is out of range or contradicts another; return self."
         super().validate()
-        for name in ('group_size', 'ppo_batch_size', 'num_update_per_roll', 'n_gpus', 'rollout_tp_size', 'val_samples',
+        for name in ('group_size', 'ppo_batch_size', 'num_update_per_roll', 'n_gpus', 'rollout_tp_size', 'val_samples', 'eval_rooms', 'eval_samples',
                      'log_image_step_size', 'log_n_image_per_batch'):
             _check(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: must be at least 1")
         for name in ('entropy_coef', 'entropy_floor', 'kl_coef', 'kl_loss_coef', 'dual_clip', 'val_temperature', 'step_adv_coef', 'curriculum_steps'):

@@ -155,10 +155,10 @@ def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines_in_its_own_
     from ragen_nb.trainer import train
     tok = load_tokenizer(); tiny_model(tok).save_pretrained(tmp_path/'tiny'); tok.save_pretrained(tmp_path/'tiny')
     argv = ['RECIPE=main-job', f'BASE_MODEL={tmp_path/"tiny"}', f'OUTPUT_DIR={tmp_path}', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4',
-                           'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False']
-    assert cli.recipe_eval(argv, n=3) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
+                           'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False', 'EVAL_ROOMS=3']
+    assert cli.recipe_eval(argv) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
     train(Config.from_args(argv), progress=False)
-    assert cli.recipe_eval(argv, ['ragen_nb', 'train-cpu', *argv], n=3) == 0
+    assert cli.recipe_eval(argv, ['ragen_nb', 'train-cpu', *argv]) == 0
     out = capsys.readouterr().out
     run = tmp_path/'cpu-smollm2-135m'
     table = json.loads((run/'eval.json').read_text())
@@ -181,7 +181,7 @@ def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines_in_its_own_
     capsys.readouterr()
     (run/'global_step_2'/'settings.json').write_text(json.dumps({**json.loads((run/'global_step_2'/'settings.json').read_text()),
                                                                  'data_dir': str(tmp_path/'rooms'), 'search_depth': 30}))
-    assert cli.recipe_eval(argv, n=3) == 2
+    assert cli.recipe_eval(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0].startswith('ragen_nb eval: error:') and '--test_size 3' in err[0]
     assert err[1].startswith('error:') and 'global_step_2 is saved' in err[1]
