@@ -9,6 +9,7 @@ __all__ = ['EvalSettings', 'eval_plan', 'evaluate', 'print_tables', 'write_json'
 # %% ../nbs/21_cli.ipynb #4cde009f
 import argparse, dataclasses, gc, json, math, sys, time, warnings
 from fastcore.imports import IN_NOTEBOOK
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 from .sokoban import EnvSettings
@@ -21,6 +22,7 @@ from .engines import choose_engine, make_engine, vllm_available
 from .config import Config, EpisodeSettings, EPISODE_SETTINGS, RECIPES, setting
 from .checkpoint import best_checkpoint, checkpoint_settings, checkpoints, checkpoint_problem, latest_checkpoint
 from .runlog import RunRecord
+from .thinking import thought_metrics
 
 # %% ../nbs/21_cli.ipynb #75f57bce
 def _floats(name: str, text: str) -> tuple[float, ...]:
@@ -97,8 +99,9 @@ def evaluate(cfg: EvalSettings, progress: bool = True, plan: dict | None = None)
     rows = []
     for label, name, temperatures in cfg.models:
         engine, tok = _engine(name, cfg.rollout_engine, cfg.turn_cache)
+        more = partial(thought_metrics, tokenizer=tok, budget=cfg.max_response_length) if cfg.think else None   # 13
         rows += model_rows(engine, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temperatures, cfg.samples, cfg.chunk_size,
-                           cfg.seed, progress)
+                           cfg.seed, progress, more)
         del engine; gc.collect()
     return rows + baselines(plan['settings'], cfg.max_turns, cfg.n, cfg.train_rooms, plan['data'])
 

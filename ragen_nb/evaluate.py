@@ -10,7 +10,7 @@ __all__ = ['MAX_ENUMERATED_TURNS', 'NO_MI', 'COLUMNS', 'wilson_interval', 'mi_fr
 
 # %% ../nbs/10_evaluate.ipynb #35ddc277
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +314,7 @@ def solution_lengths(seeds: Sequence[int], settings: EnvSettings, turns: int) ->
 
 def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, cfg: RolloutConfig, name: str = 'model',
                temperatures: Sequence[float] = (0.0, 0.5), samples: int = 4, chunk_size: int = 32, seed: int = 0,
-               progress: bool = True) -> list[dict]:
+               progress: bool = True, more: Callable[[list[Trajectory]], dict] | None = None) -> list[dict]:
     "One row per temperature: `trajectory_metrics`, success `by_length`, each room's success in `seeds`' order (`per_room`) and, per turn, `move_quality` (`moves`); greedy (0) plays each room once, a positive temperature `samples` times."
     rows, lengths = [], solution_lengths(seeds, settings, turn_budget(settings, cfg.max_turns))
     for temperature in temperatures:
@@ -325,7 +325,8 @@ def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, c
         solved = {s: np.mean([t.success for t in trajs if t.seed == s]) for s in seeds}
         rows.append(dict(policy=f'{name} {label}', **trajectory_metrics(trajs, seed=seed),
                          by_length=by_length([solved[s] for s in seeds], lengths), per_room=[float(solved[s]) for s in seeds],
-                         moves=move_quality(trajs, settings, cfg.max_turns), note=f'{k} per room, {time.perf_counter() - start:.0f} s'))
+                         moves=move_quality(trajs, settings, cfg.max_turns), **(more(trajs) if more else {}),
+                         note=f'{k} per room, {time.perf_counter() - start:.0f} s'))
     return rows
 
 # %% ../nbs/10_evaluate.ipynb #1dfaf121

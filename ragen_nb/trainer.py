@@ -32,6 +32,7 @@ from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_l
 from .evaluate import play, trajectory_metrics, turn_budget
 from .starpo import GROUP_METRICS, filter_groups, filter_metrics, collapse_metrics
 from .starts import StartSchedule, solution, start_state
+from .thinking import THINK_METRICS, thought_metrics
 from .engines import choose_engine, logprob_mismatch_kl, make_engine
 from .config import Config
 from .checkpoint import BEST_FILE, latest_checkpoint, load_training_state
@@ -279,6 +280,11 @@ TRAIN_METRICS = {
     'train/valid_action_rate': 'share of training turns whose answer parsed to an action',
     'train/mean_turns': 'LLM turns per training episode',
     **GROUP_METRICS,
+    **THINK_METRICS,
+    'start/frontier': 'moves before the goal where most training episodes started (START_CURRICULUM only, as every start/ key; 12)',
+    'start/frontier_success': 'share of the episodes started there that solved their room',
+    'start/true_start_share': 'share of training episodes started at their true start',
+    'start/true_start_success': 'share of those that solved their room',
     'rollout/engine': "the engine that sampled the rollouts, 'hf' or 'vllm' (ROLLOUT_ENGINE=auto picks vllm when it is installed)",
     'val/success_rate': 'share of validation episodes solved at val_temperature, on the VAL_ROOMS train rooms withheld from training (validation steps only, as every val/ key)',
     'val/success_low': 'lower end of the 95% Wilson interval of val/success_rate, over rooms (10)',
@@ -494,6 +500,7 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                 procs.wait()
             clock.append(time.perf_counter())
             record = _step_record(step, metrics, lr, trajs, kept, keep, val, clock, engine, cfg, procs)
+            if cfg.think: record.update(thought_metrics(procs.gather(trajs), s.tok, stage.max_response_length))   # 13
             if s.starts:   # then the frontier moves, on the success of every process's episodes
                 solved = [t.success for t in procs.gather(trajs)]
                 record.update(s.starts.update(solved, moves_left, [len(solution(stage.env_settings, r)) for r in seeds]))
