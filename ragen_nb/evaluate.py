@@ -225,10 +225,10 @@ def format_table(rows: list[dict]) -> str:
 
 # %% ../nbs/10_evaluate.ipynb #091e68b3
 def format_by_length(rows: list[dict]) -> str:
-    "The success of each row by the rooms' shortest solution, one column per length, the number of rooms in the header."
+    "The success of each row by the rooms' shortest solution, one column per length, the number of rooms in the header; rooms no sequence solves within the turns (`none`: solvable, only in more moves) come last."
     keys = sorted({k for r in rows for k in r.get('by_length', {})}, key=lambda k: (k == 'none', int(k) if k != 'none' else 0))
     counts = {k: next(r['by_length'][k]['rooms'] for r in rows if k in r.get('by_length', {})) for k in keys}
-    header = ['shortest solution'] + [f"{'no solution' if k == 'none' else k + (' move' if k == '1' else ' moves')} ({counts[k]})" for k in keys]
+    header = ['shortest solution'] + [f"{'more moves than turns' if k == 'none' else k + (' move' if k == '1' else ' moves')} ({counts[k]})" for k in keys]
     cells = [[r['policy']] + [f"{r['by_length'][k]['success_rate']:.3f}" if k in r.get('by_length', {}) else '-' for k in keys]
              for r in rows if 'by_length' in r]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]

@@ -7,20 +7,18 @@ import pytest
 from ragen_nb.data import positions
 from ragen_nb.rollout import CLOSE, RolloutConfig, ScriptedEngine, rollout, truncate_after_answer
 from ragen_nb.sokoban import EnvSettings
-from ragen_nb.thinking import THINK_METRICS, claims, grounding, split_reply, think_format, thought_metrics, thought_mi
+from ragen_nb.thinking import THINK_METRICS, claims, grounding, split_reply, thought_metrics, thought_mi
 
 ROOM = '######\n#____#\n#_X__#\n#_P_O#\n#____#\n######'   # player (3, 2), box (2, 2) right above it, target (3, 4)
 
 
-def test_split_reply_and_format_on_hand_written_replies():
-    closed = '<think> the box is above me </think> <answer>Up</answer>'
-    assert split_reply(closed) == ('the box is above me', 1) and think_format(closed)
-    unclosed = '<think> push it up <answer>Up</answer>'   # never closed: the thought ends at the answer
-    assert split_reply(unclosed) == ('push it up', 1) and not think_format(unclosed)
-    rambling = '<think> I will think about this for a very long'   # the budget ran out: no action, no format
-    assert split_reply(rambling) == ('I will think about this for a very long', None) and not think_format(rambling)
-    assert not think_format('<think> hmm </think> <answer>jump</answer>')   # closed, but the answer holds no action
-    assert not think_format('<answer>Up</answer>')   # no thought at all
+def test_split_reply_on_hand_written_replies():
+    "The thought, and the action only in R1's format (RAGEN's rule in think mode, `parse_reply`)."
+    assert split_reply('<think> the box is above me </think> <answer>Up</answer>') == ('the box is above me', 1)
+    assert split_reply('<think> push it up <answer>Up</answer>') == ('push it up', None)   # never closed: the thought ends at the answer, no action
+    assert split_reply('<think> I will think about this for a very long') == ('I will think about this for a very long', None)
+    assert split_reply('<think> hmm </think> <answer>jump</answer>') == ('hmm', None)   # closed, but the answer holds no action
+    assert split_reply('<answer>Up</answer>') == ('', None)   # no thought at all
 
 
 def test_claims_are_read_and_judged_against_the_room():
@@ -90,3 +88,20 @@ def test_thought_metrics_of_scripted_episodes(tok, kind):
         assert m['think/budget_hit'] == 0 and m['think/format'] == 1 and m['think/checkable'] == 1
         assert m['think/grounded'] == (1.0 if kind == 'true' else 0.0)
         assert m['think/tokens'] == len(tok.encode('The box is at (2, 2).', add_special_tokens=False))   # single digits: one count for every room
+
+
+def test_real_think_replies_in_a_rollout_are_cut_and_penalised(tok):
+    "The untrained model's real replies, replayed as a THINK=True turn: each cut after its first </answer>; only R1's format acts, the rest pay the format penalty."
+    replies = json.loads((Path(__file__).parent / 'artifacts' / 'think_replies.json').read_text())['replies']
+    texts = iter([tok.decode(r['ids']).split('<|im_end|>')[0] for r in replies])
+    cfg = RolloutConfig(max_turns=1, max_response_length=96, think=True, format_penalty=-1.0)
+    trajs = rollout(ScriptedEngine(tok, lambda context: next(texts)), tok, [r['seed'] for r in replies], EnvSettings(search_depth=4), cfg)
+    for r, t in zip(replies, trajs):
+        text, (action,) = '<think>' + tok.decode(r['ids']).split('<|im_end|>')[0], t.actions
+        assert CLOSE not in t.responses[0][:-len(CLOSE)]   # nothing after the first answer reached the trajectory
+        in_format = re.search(r'<think>.*?</think>\s*<answer>', text.split(CLOSE)[0] + CLOSE, re.S) is not None
+        assert (action is not None) == (in_format and split_reply(text)[1] is not None)
+        if action is None: assert t.rewards == [-1.0]
+    valid = [r['seed'] for r, t in zip(replies, trajs) if t.actions[0] is not None]
+    assert valid == [20007]   # 'You are to move up. ...</think><answer>Up</answer>': the one reply in R1's format
+    assert [t.seed for t in trajs if t.actions[0] is None and '</answer>' in tok.decode(replies[trajs.index(t)]['ids'])] == [20002, 20004, 20009, 20010, 20016, 20019]
