@@ -206,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
                    'KEY=value settings, listed by `ragen_nb eval --help`')
     sub.add_parser('train', add_help=False, help='PPO on Sokoban; KEY=value settings, listed by `ragen_nb train --help`')
     sub.add_parser('train-cpu', add_help=False, help='a recipe sized for a laptop CPU (RECIPE=main-job unless another is given: '
-                   '30 MaxRL steps on easy rooms), then its eval on 200 held-out rooms; KEY=value settings override the recipe')
+                   '30 MaxRL steps on easy rooms), then judges the checkpoint it keeps on EVAL_ROOMS held-out rooms; KEY=value settings override the recipe')
     sub.add_parser('sft', add_help=False, help='supervised fine-tuning on BFS demonstrations (19); KEY=value settings, '
                    'listed by `ragen_nb sft --help`; its checkpoints start `train` with BASE_MODEL=<checkpoint>')
     return p
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ['train-cpu']:
         if any(a in ('-h', '--help') for a in argv):
             print("ragen_nb train-cpu [RECIPE=name] [KEY=value ...]: ragen_nb train RECIPE=main-job (or the recipe named) "
-                  "[KEY=value ...], then its eval on 200 held-out rooms\n"); return train_main(['--help'])
+                  "[KEY=value ...], then judges the checkpoint it keeps (the best validated with KEEP_BEST, else the last) on EVAL_ROOMS held-out rooms\n"); return train_main(['--help'])
         args = argv[1:] if any(a.lower().startswith('recipe=') for a in argv[1:]) else ['RECIPE=main-job'] + argv[1:]
         done = train_main(args, command)
         return recipe_eval(args, command) if done == 0 else done

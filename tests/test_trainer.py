@@ -517,7 +517,7 @@ TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX
             'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'VAL_ROOMS=8']   # DATA_DIR: the default, absent here
 # keys a step line holds only with some settings: the dual clip, the KL loss, sampled validation, room groups
 OPTIONAL = ({'actor/dual_clipfrac', 'actor/kl_loss', 'val/mi', 'val/mi_null', 'val/mi_null_std'}   # VAL_SAMPLES > 1 only
-            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/'))})
+            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/', 'think/', 'start/'))})   # THINK=True, START_CURRICULUM=True only
 
 
 def run_args(tiny_dir, out, name, *extra):
@@ -643,6 +643,14 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp
     from safetensors.torch import load_file
     a, b = (load_file(tmp_path/run/'global_step_3'/'actor'/'model.safetensors') for run in ('whole', 'crash'))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_thinking_run_logs_its_thoughts(tiny_dir, tmp_path):
+    "THINK=True: every step line holds the think/ metrics of 13, and the tiny model, which never closes a thought, is in R1's format on no turn."
+    train(Config.from_args(run_args(tiny_dir, tmp_path, 'think', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'THINK=True', 'MAX_RESPONSE_LENGTH=12')), progress=False)
+    steps = [r for r in read_metrics(tmp_path/'think') if r['step'] >= 1]
+    assert len(steps) == 2 and all({k for k in TRAIN_METRICS if k.startswith('think/')} <= set(r) for r in steps)
+    assert all(r['think/format'] == 0 and r['train/valid_action_rate'] == 0 and r['think/tokens'] > 0 for r in steps)
 
 
 def test_the_last_step_is_saved_even_off_the_save_frequency(tiny_dir, tmp_path):
