@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['RUNS', 'RUN_FILE', 'KEPT_FILES', 'SCORE_SETTINGS', 'keep_run', 'read_run', 'kept_runs', 'eval_settings', 'peak_drop',
-           'spread', 'runs_table', 'baselines_table', 'markdown']
+           'spread', 'lever_rows', 'runs_table', 'baselines_table', 'markdown']
 
 # %% ../nbs/22_results.ipynb #c7fd3875
 import json, math, re, shutil
@@ -100,6 +100,22 @@ def spread(runs: dict[str, dict], names: list[str], policy: str = 'model greedy'
     low = min(rates, key=rates.get)
     return dict(seeds=len(rates), rates=rates, mean=float(np.mean(list(rates.values()))), sd=float(np.std(list(rates.values()), ddof=1)) if len(rates) > 1 else math.nan,
                 min=rates[low], min_run=low, min_low=runs[low]['eval'][policy]['success_low'], max=max(rates.values()))
+
+def _wall(run: dict) -> str:
+    "A run's wall minutes, with the torch threads it ran on where the program recorded them: '41 (2)'."
+    threads = run.get('sessions', [{}])[0].get('machine', {}).get('torch_threads')
+    return (f"{run['wall_s'] / 60:.0f}" if run.get('wall_s') else '?') + (f' ({threads})' if threads else '')
+
+def lever_rows(runs: dict[str, dict], levers: dict[str, list[str]]) -> list[dict]:
+    "One row per lever (a label and the runs of its seeds, all judged alike): seeds, each seed's greedy success, their mean and minimum, the largest `peak_drop` and the wall minutes of each (with its torch threads: levers often ran two at a time, on one thread each)."
+    rows = []
+    for label, names in levers.items():
+        s = spread(runs, names)
+        rows.append({'lever': label, 'seeds': s['seeds'], 'greedy by seed': ', '.join(f"{s['rates'][n]:.3f}" for n in names),
+                     'mean': f"{s['mean']:.3f}", 'min': f"{s['min']:.3f} ({s['min_low']:.3f}-)",
+                     'largest drop': f"{max(peak_drop(runs[n]['metrics']) for n in names):.2f}",
+                     'wall min (torch threads)': ', '.join(_wall(runs[n]) for n in names)})
+    return rows
 
 def runs_table(runs: dict[str, dict], names: list[str] | None = None, mixed: bool = False) -> list[dict]:
     "One row per kept run (those of `names`, in that order, or all): its command, greedy and T=0.5 success, MI against its null, success on rooms of 2 and of 3+ moves, how far training success fell from its peak (`peak_drop`), wall minutes, peak GB and how it was recorded. Runs judged with different `SCORE_SETTINGS` raise a ValueError, unless `mixed`: then `judged with` names each run's."

@@ -285,13 +285,33 @@ def test_multi_turn_seed_and_think_change_the_examples(tok, tiny_dir, tmp_path, 
             opt.step()                                                  # no gradients: nothing moves
             return dict(loss=1.0, grad_norm=0.0, llm_tokens=1, tokens=1)
         return step
-    for name, extra in (('multi', []), ('single', ['MULTI_TURN=False']), ('seed1', ['SEED=1']), ('think', ['THINK=True'])):
+    for name, extra in (('multi', []), ('single', ['MULTI_TURN=False']), ('seed1', ['SEED=1']), ('think', ['THINK=True']),
+                        ('format', ['THINK=True', 'MULTI_TURN=False', 'FORMAT_ONLY=True'])):
         monkeypatch.setattr(sft_module, 'sft_step', spy(name))
         assert sft_main(tiny_args(tiny_dir, tmp_path, name, 'TOTAL_STEPS=1', 'TRAIN_BATCH_SIZE=4', *extra)) == 0
     first = {k: v[0] for k, v in batches.items()}
     assert all(len(t.actions) == 1 for t in first['single']) and max(len(t.actions) for t in first['multi']) > 1
     assert [t.seed for t in first['seed1']] != [t.seed for t in first['multi']]
     assert all('<think>' in tok.decode(t.ids) for t in first['think']) and not any('</think>' in tok.decode(t.ids) for t in first['multi'])
+    trained = {tok.decode([i for i, s in zip(t.ids, t.sources) if s == LLM]) for t in first['format']}
+    assert trained == {'</think><answer></answer>'}   # FORMAT_ONLY: the tags alone are in the loss
+
+
+def test_format_only_demonstrations_train_the_tags_and_give_the_thought_and_move(tok):
+    "The same states and moves as the plain think demonstrations; the loss mask covers the tags, and the given thought and move are right."
+    cfg = RolloutConfig(think=True)
+    for seed in SEEDS[:10]:
+        formatted = single_turn_demonstrations(tok, seed, SEED_SETTINGS, cfg, format_only=True)
+        plain = single_turn_demonstrations(tok, seed, SEED_SETTINGS, cfg)
+        assert [f.actions for f in formatted] == [p.actions for p in plain]
+        for f in formatted:
+            b = collate([f], tok.pad_token_id)
+            in_loss = [i for i, m in zip(f.ids, b.loss_mask[0].tolist()) if m]
+            assert tok.decode(in_loss) == '</think><answer></answer>'
+            assert f.responses[0] == f"{think_text(f.room)}</think><answer>{ACTIONS[f.actions[0]]}</answer>"
+    with pytest.raises(ValueError, match='THINK=True'): single_turn_demonstrations(tok, 10000, SEED_SETTINGS, RolloutConfig(), format_only=True)
+    for bad in (['FORMAT_ONLY=True'], ['FORMAT_ONLY=True', 'THINK=True']):
+        with pytest.raises(ValueError, match='MULTI_TURN=False'): SFTConfig.from_args(bad).validate()
 
 
 def test_share_prefix_chooses_the_shared_forward(tok, tiny_dir, tmp_path, monkeypatch):

@@ -105,3 +105,13 @@ def test_real_think_replies_in_a_rollout_are_cut_and_penalised(tok):
     valid = [r['seed'] for r, t in zip(replies, trajs) if t.actions[0] is not None]
     assert valid == [20007]   # 'You are to move up. ...</think><answer>Up</answer>': the one reply in R1's format
     assert [t.seed for t in trajs if t.actions[0] is None and '</answer>' in tok.decode(replies[trajs.index(t)]['ids'])] == [20002, 20004, 20009, 20010, 20016, 20019]
+
+
+def test_the_thinking_recipe_is_the_main_job_thinking_and_help_shows_it(capsys):
+    from ragen_nb.cli import main
+    from ragen_nb.config import Config
+    think, plain = Config.from_args(['RECIPE=main-job-think']), Config.from_args(['RECIPE=main-job'])
+    differ = {f for f in vars(think) if getattr(think, f) != getattr(plain, f)}
+    assert differ == {'think', 'max_response_length', 'experiment_name'} and think.think and think.max_response_length == 48
+    assert main(['train-cpu', '--help']) == 0
+    assert 'main-job-think: RECIPE=main-job EXPERIMENT_NAME=cpu-smollm2-135m-think THINK=True MAX_RESPONSE_LENGTH=48' in capsys.readouterr().out
