@@ -74,6 +74,16 @@ def test_eval_prints_one_table_and_writes_json_and_its_session(tiny_dir, tmp_pat
     assert not any('moves' in row for row in saved['rows'][2:])              # the baselines have no moves
 
 
+def test_eval_of_a_thinking_model_reports_its_thoughts(tiny_dir, tmp_path):
+    "THINK=True: each model row carries the think/ metrics of 13 (the tiny model never closes a thought: format 0, the budget hit)."
+    out = tmp_path/'eval.json'
+    r = run('eval', f'MODEL={tiny_dir}', 'BASE=none', 'N=2', 'MAX_TURNS=1', 'MAX_RESPONSE_LENGTH=6', 'SEARCH_DEPTH=4', 'TRAIN_ROOMS=5',
+            'TEMPERATURES=0', 'THINK=True', f'OUTPUT={out}')
+    assert r.returncode == 0, r.stderr
+    row = json.loads(out.read_text())['rows'][0]
+    assert row['policy'] == 'model greedy' and row['think/format'] == 0 and row['think/budget_hit'] == 1 and row['think/tokens'] > 0
+
+
 def test_eval_takes_room_settings_from_the_environment(monkeypatch):
     import ragen_nb.cli as cli
     seen = []

@@ -242,6 +242,17 @@ def test_widget_static_html(trajs):
     assert 'application/vnd.jupyter.widget-view+json' in bundle
     assert TrajectoryWidget(trajs[:1], tokenizer())._repr_mimebundle_()['text/html'] == TrajectoryWidget(trajs[:1], tokenizer()).to_html()
 
+def test_widget_shows_a_thinking_turn():
+    "THINK=True: the thought and its closing tag are on the page, the turn marked valid only in R1's format."
+    tok = tokenizer()
+    replies = iter([' the box is below me </think><answer>Down</answer>', ' the box is below me <answer>Down</answer>'])
+    played = rollout(ScriptedEngine(tok, lambda context: next(replies)), tok, long_rooms(2), SETTINGS,
+                     RolloutConfig(max_turns=1, max_response_length=24, think=True))
+    page = TrajectoryWidget(played, tok).to_html()
+    assert page.count('the box is below me') == 2 and page.count('&lt;/think&gt;') == 1
+    assert [t.actions for t in played] == [[2], [None]]   # the second never closed its thought: no action, the format penalty
+
+
 def test_widget_without_tokenizer(trajs):
     assert TrajectoryWidget(trajs[:1])._boards(0, 0)[0][1] is not None   # the kept room needs no tokenizer
     w = TrajectoryWidget([dataclasses.replace(trajs[0], room=None)])       # an older file: the prompt holds the first room
