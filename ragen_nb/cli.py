@@ -22,7 +22,7 @@ from .engines import choose_engine, make_engine, vllm_available
 from .config import Config, EpisodeSettings, EPISODE_SETTINGS, RECIPES, setting
 from .checkpoint import best_checkpoint, checkpoint_settings, checkpoints, checkpoint_problem, latest_checkpoint
 from .runlog import RunRecord
-from .thinking import thought_metrics
+from .thinking import eval_thoughts
 
 # %% ../nbs/21_cli.ipynb #75f57bce
 def _floats(name: str, text: str) -> tuple[float, ...]:
@@ -99,7 +99,7 @@ def evaluate(cfg: EvalSettings, progress: bool = True, plan: dict | None = None)
     rows = []
     for label, name, temperatures in cfg.models:
         engine, tok = _engine(name, cfg.rollout_engine, cfg.turn_cache)
-        more = partial(thought_metrics, tokenizer=tok, budget=cfg.max_response_length) if cfg.think else None   # 13
+        more = partial(eval_thoughts, tokenizer=tok, budget=cfg.max_response_length) if cfg.think else None   # 13
         rows += model_rows(engine, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temperatures, cfg.samples, cfg.chunk_size,
                            cfg.seed, progress, more)
         del engine; gc.collect()

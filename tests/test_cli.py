@@ -81,7 +81,7 @@ def test_eval_of_a_thinking_model_reports_its_thoughts(tiny_dir, tmp_path):
             'TEMPERATURES=0', 'THINK=True', f'OUTPUT={out}')
     assert r.returncode == 0, r.stderr
     row = json.loads(out.read_text())['rows'][0]
-    assert row['policy'] == 'model greedy' and row['think/format'] == 0 and row['think/budget_hit'] == 1 and row['think/tokens'] > 0
+    assert len(row['thoughts']) == 2 and row['policy'] == 'model greedy' and row['think/format'] == 0 and row['think/budget_hit'] == 1 and row['think/tokens'] > 0
 
 
 def test_eval_takes_room_settings_from_the_environment(monkeypatch):
