@@ -200,7 +200,8 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
     'main-job': ['EXPERIMENT_NAME=cpu-smollm2-135m', 'SEARCH_DEPTH=4', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=8',
                  'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False', 'SHARE_PREFIX=True',
                  'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0', 'RECOMPUTE_OLD_LOGPROBS=False',
-                 'MEASURE_KL_REF=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=10', 'TOTAL_STEPS=30', 'SAVE_FREQ=10',
+                 'MEASURE_KL_REF=False', 'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=5', 'KEEP_BEST=True', 'TOTAL_STEPS=30',
+                 'SAVE_FREQ=10', 'ENTROPY_COEF=0.02', 'ENTROPY_FLOOR=0.3', 'CLIP_RATIO_HIGH=0.28', 'TURN_CACHE=True',
                  'ROLLOUT_ENGINE=hf', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=10', 'LOG_N_IMAGE_PER_BATCH=2'],
     'main-job-think': ['RECIPE=main-job', 'EXPERIMENT_NAME=cpu-smollm2-135m-think', 'THINK=True', 'MAX_RESPONSE_LENGTH=48'],   # 13
     'ragen-6x6': ['EXPERIMENT_NAME=cpu-ragen-6x6', 'SEARCH_DEPTH=30', 'MAX_TURNS=5', 'MAX_STEPS=5', 'MAX_RESPONSE_LENGTH=8',
