@@ -10,9 +10,9 @@ from ragen_nb.config import Config
 from ragen_nb.trainer import train
 
 played, real_rollout = [], trainer.rollout
-def recording_rollout(engine, tok, seeds, settings, cfg, seed=None):
+def recording_rollout(engine, tok, seeds, settings, cfg, seed=None, rooms=None):
     if cfg.temperature > 0: played.append(list(seeds))   # training batches (validation is greedy)
-    return real_rollout(engine, tok, seeds, settings, cfg, seed=seed)
+    return real_rollout(engine, tok, seeds, settings, cfg, seed=seed, rooms=rooms)
 trainer.rollout = recording_rollout
 
 cfg = Config.from_args(sys.argv[1:])

@@ -1,18 +1,23 @@
-"""The library's re-cuts change no number: the first steps of the main job, run now, equal the kept run of the main job.
+"""The library's re-cuts change no number: the first steps of the main job, run now, equal a kept run of the main job.
 
-`data/runs/main-job-seed0/metrics.jsonl` was written by `ragen_nb train-cpu` (30 steps, SEED=0) before the trainer was cut
-into its modules. Its first `STEPS` steps are run again here, through the command line, with the same recipe and seed,
-and every logged number but the timings must match to 1e-6: the rooms, the sampled answers, the advantages, the
-losses, the validation. Two metrics are sums over the whole vocabulary or every weight, and their last digits depend
-on the CPU's vector units: on a 2-core AVX2 machine without AVX-512 (the kept run had AVX-512), `actor/entropy` differed
-by up to 1.5e-4 and `actor/grad_norm` by up to 1.6e-5, relative, while everything else matched to 1e-6. Those two
-are held to 1e-3, relative. About 7 minutes on the kept run's 2 cores, about 20 on that AVX2 machine.
+`data/runs/main-job-seed2` was written by the main job's recipe (SEED=2) on a 2-core AMD EPYC with AVX-512, on one torch
+thread. Its first `STEPS` steps are run again here, through the command line, with the same recipe, seed and thread
+count (read from its `run.json`), and every logged number but the timings must match to 1e-6: the rooms, the sampled
+answers, the advantages, the losses, the validation. Two metrics are sums over the whole vocabulary or every weight,
+and their last digits depend on the CPU's vector units: on a 2-core AVX2 machine without AVX-512, `actor/entropy`
+differed by up to 1.5e-4 and `actor/grad_norm` by up to 1.6e-5, relative, while everything else matched to 1e-6.
+Those two are held to 1e-3, relative.
+
+What this cannot promise: a whole run equal on another CPU. On an Intel Xeon, the first recipe's SEED=0 run sampled the
+same episodes as the AMD run for 19 steps; at step 20 one sampled token differed, and from there it was another draw
+of the recipe (`22_results`). The first `STEPS` steps are short enough to stay equal on the machines tried.
 """
-import json, math, subprocess, sys
+import json, math, os, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT = ROOT/'data'/'runs'/'main-job-seed0'/'metrics.jsonl'
+KEPT_RUN = ROOT/'data'/'runs'/'main-job-seed2'
+KEPT = KEPT_RUN/'metrics.jsonl'
 STEPS = 5
 VOCAB_OR_WEIGHT_SUMS = {'actor/entropy': 1e-3, 'actor/grad_norm': 1e-3}   # relative tolerance, see above
 
@@ -36,16 +41,18 @@ def test_the_comparison_catches_a_changed_number():
     kept = [json.loads(l) for l in KEPT.read_text().splitlines()][:STEPS + 1]
     wrong, compared = mismatches(kept, kept)
     assert wrong == [] and compared > 100
-    for key, factor in (('actor/pg_loss', 1 + 1e-5), ('actor/entropy', 1 + 2e-3), ('train/success_rate', 0.5)):
+    for key, factor in (('actor/pg_loss', 1 + 1e-4), ('actor/entropy', 1 + 2e-3), ('train/success_rate', 0.5)):
         changed = [dict(r) for r in kept]
         step = next(i for i, r in enumerate(changed) if isinstance(r.get(key), float) and r[key] != 0)
         changed[step][key] *= factor
         assert len(mismatches(changed, kept)[0]) == 1, key
 
 def test_the_main_job_replays_its_kept_run(tmp_path):
-    command = [sys.executable, '-m', 'ragen_nb.cli', 'train', 'RECIPE=main-job', f'TOTAL_STEPS={STEPS}', 'SAVE_FREQ=0',
-               'LOG_IMAGES=False', f'OUTPUT_DIR={tmp_path}']
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    session = json.loads((KEPT_RUN/'run.json').read_text())['sessions'][0]
+    command = [sys.executable, '-m', 'ragen_nb.cli', 'train', 'RECIPE=main-job', f"SEED={session['settings']['seed']}", f'TOTAL_STEPS={STEPS}',
+               'SAVE_FREQ=0', 'LOG_IMAGES=False', f'OUTPUT_DIR={tmp_path}']
+    threads = str(session['machine']['torch_threads'])   # a sum split over other threads rounds otherwise
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
     assert done.returncode == 0, done.stderr[-3000:]
     now = [json.loads(l) for l in (tmp_path/'cpu-smollm2-135m'/'metrics.jsonl').read_text().splitlines()]
     kept = [json.loads(l) for l in KEPT.read_text().splitlines()][:STEPS + 1]

@@ -14,7 +14,8 @@ from ragen_nb.models import cpu_has_bf16, load_model, load_tokenizer, tiny_model
 from ragen_nb.ppo import policy_loss
 from ragen_nb.rollout import RolloutConfig, ScriptedEngine, rollout
 from ragen_nb.sft import (SFT_FILE, SFTConfig, demonstration, demonstrations, sft, sft_loss, sft_main, sft_step,
-                          single_turn_demonstrations, think_text)
+                          single_turn_demonstrations)
+from ragen_nb.thinking import think_text
 from ragen_nb.sokoban import ACTIONS, EnvSettings, SokobanEnv, solve
 from ragen_nb.tokens import ENV, LLM, PROMPT
 

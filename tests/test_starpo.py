@@ -160,9 +160,9 @@ def test_echo_trap_is_a_trend_of_stuck_rooms_and_starts_at_its_first_stuck_step(
 
 def test_the_rule_flags_the_kept_run_that_collapsed_where_it_began_and_none_that_did_not():
     "The main job's first recipe, kept four times: SEED=0 on two CPUs (the Xeon one collapsed late), SEED=1, and SEED=2."
-    runs = {name: read_metrics(RUNS/name) for name in ('main-job-seed0', 'main-job-seed1', 'main-job-seed0-xeon', 'main-job-seed2-xeon')}
-    assert {name: echo_trap(r) for name, r in runs.items()} == {'main-job-seed0': [], 'main-job-seed1': [],
-                                                                'main-job-seed0-xeon': [(27, 30)], 'main-job-seed2-xeon': []}
+    runs = {name: read_metrics(RUNS/name) for name in ('first-recipe-seed0', 'first-recipe-seed1', 'first-recipe-seed0-xeon', 'first-recipe-seed2-xeon')}
+    assert {name: echo_trap(r) for name, r in runs.items()} == {'first-recipe-seed0': [], 'first-recipe-seed1': [],
+                                                                'first-recipe-seed0-xeon': [(27, 30)], 'first-recipe-seed2-xeon': []}
     for records in runs.values():   # the untrained model at step 1 is room-blind (collapse/detected) but not stuck
         first = next(r for r in records if r['step'] == 1)
         assert first["collapse/detected"] == 1.0 and stuck_share(first) < STUCK_AT
@@ -198,7 +198,7 @@ def test_plot_run_shades_the_synthetic_echo_trap_and_not_a_calm_run(tmp_path):
     assert 'WARNING: the echo trap at steps' in fig._suptitle.get_text() and Image.open(tmp_path/'curves.png').format == 'PNG'
     calm = plot_run(synthetic_metrics(collapse_at=None))
     assert calm.echo_trap == [] and 'WARNING' not in calm._suptitle.get_text()
-    kept = plot_run(RUNS/'main-job-seed0')   # low entropy at the end, every room solved: no warning
+    kept = plot_run(RUNS/'first-recipe-seed0')   # low entropy at the end, every room solved: no warning
     assert kept.echo_trap == [] and 'WARNING' not in kept._suptitle.get_text()
 
 

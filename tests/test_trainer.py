@@ -884,7 +884,7 @@ def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp
 
 def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_path, monkeypatch):
     rolled, updated = [], []
-    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # group of room s scores 0 and s % 7: std (s % 7) / sqrt 2
+    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None, rooms=None):   # group of room s scores 0 and s % 7: std (s % 7) / sqrt 2
         rolled.append(list(seeds))
         return [episode(tok, 'Up', float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
     real_score = trainer.score_batch
@@ -907,7 +907,7 @@ def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_
 
 def test_a_top_p_step_whose_groups_all_tie_updates_nothing_and_is_logged(tiny_dir, tmp_path, monkeypatch):
     rolled = []
-    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None):   # step 1: every group ties; step 2: room s scores 0 and s % 7
+    def fake_rollout(engine, tok, seeds, settings, cfg, seed=None, rooms=None):   # step 1: every group ties; step 2: room s scores 0 and s % 7
         rolled.append(seeds)
         return [episode(tok, 'Up', 1. if len(rolled) == 1 else float((s % 7) * (i % 2)), s) for i, s in enumerate(seeds)]
     updated = spy(monkeypatch, 'ppo_update')
