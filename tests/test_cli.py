@@ -165,7 +165,7 @@ def test_recipe_eval_judges_the_last_checkpoint_beside_the_baselines_in_its_own_
     from ragen_nb.trainer import train
     tok = load_tokenizer(); tiny_model(tok).save_pretrained(tmp_path/'tiny'); tok.save_pretrained(tmp_path/'tiny')
     argv = ['RECIPE=main-job', f'BASE_MODEL={tmp_path/"tiny"}', f'OUTPUT_DIR={tmp_path}', 'TRAIN_BATCH_SIZE=4', 'PPO_BATCH_SIZE=4',
-                           'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LOG_IMAGES=False', 'EVAL_ROOMS=3']
+                           'TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KEEP_BEST=False', 'LOG_IMAGES=False', 'EVAL_ROOMS=3']
     assert cli.recipe_eval(argv) == 0 and 'no checkpoint' in capsys.readouterr().err   # nothing trained yet
     train(Config.from_args(argv), progress=False)
     assert cli.recipe_eval(argv, ['ragen_nb', 'train-cpu', *argv]) == 0
