@@ -62,3 +62,33 @@ def test_stored_outputs_name_no_path_of_the_machine():
     found = [f'{nb.name}: {m.group(0)}' for nb in NOTEBOOKS for text in outputs(nb)
              for m in re.finditer(r'/(?:tmp|work|home|root|Users)/\S*', text)]
     assert not found, 'stored outputs that name a path of the machine they ran on:\n' + '\n'.join(found[:20])
+
+QUIET = re.compile(r'^(test_\w*|assert\w*|show_doc|plt\.\w+|fig\.\w+|ax\.\w+|hf_logging\.\w+|shutil\.rmtree|\w+\.(append|extend|update|clear|unlink|mkdir|'
+                   r'write_text|savefig|save_pretrained|step|backward|zero_grad|train|eval|close))$')
+
+def silent_cells(nb: Path) -> list[str]:
+    "Code cells that end on a value a reader should see (an expression or a print, not a check or a plot call) yet store no output. Cells flagged `#| gpu` cannot run on a CPU machine and are left out; exported cells end on definitions."
+    import ast
+    out = []
+    for i, c in enumerate(json.loads(nb.read_text())['cells']):
+        src = ''.join(c['source'])
+        if c['cell_type'] != 'code' or c.get('outputs') or re.search(r'^#\|\s*(export\w*|hide|gpu)\b', src, re.M): continue
+        try: tree = ast.parse('\n'.join(l for l in src.splitlines() if not l.lstrip().startswith(('#|', '%', '!'))))
+        except SyntaxError: continue
+        last = tree.body[-1] if tree.body else None
+        if not isinstance(last, ast.Expr) or (isinstance(last.value, ast.Call) and QUIET.match(ast.unparse(last.value.func))): continue
+        out.append(f'{nb.name}[{i}] ends on {ast.unparse(last.value)[:40]}')
+    return out
+
+def test_every_cell_that_ends_on_a_value_shows_it():
+    "A cell that ends on a value is there to show it: stored without its output (edited and not re-run, or skipped), the prose around it points at nothing."
+    found = [s for nb in NOTEBOOKS for s in silent_cells(nb)]
+    assert not found, 'cells that end on a value but store no output (run the notebook and save it):\n' + '\n'.join(found)
+
+def test_the_silent_cell_check_finds_one(tmp_path):
+    "The rule is not vacuous: a cell ending on a name with no output is found, one with its output, or ending on a check, is not."
+    cell = lambda src, outputs=(): dict(cell_type='code', source=[src], metadata={}, outputs=list(outputs), execution_count=None)
+    nb = dict(cells=[cell('x = 1\nx'), cell('x', [dict(output_type='execute_result', data={'text/plain': ['1']})]), cell('test_eq(1, 1)'),
+                     cell('#| gpu\nx')], metadata={}, nbformat=4, nbformat_minor=5)
+    fake = tmp_path/'99_fake.ipynb'; fake.write_text(json.dumps(nb))
+    assert silent_cells(fake) == ['99_fake.ipynb[0] ends on x']
