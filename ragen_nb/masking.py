@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['HEAD_FILE', 'Batch', 'collate', 'mask_table', 'env_mask', 'token_logprobs', 'masked_mean', 'forward_logprobs',
-           'token_stats', 'shared_prefix_length', 'prefix_cache', 'llm_forward', 'ValueModel', 'forward_values',
-           'policy_and_values']
+           'token_stats', 'shared_prefix_length', 'prefix_cache', 'llm_forward', 'SharedStart', 'packed_forward',
+           'ValueModel', 'forward_values', 'policy_and_values']
 
 # %% ../nbs/05_masking.ipynb #a3d5ee7c
 from dataclasses import dataclass, fields
@@ -197,6 +197,52 @@ def llm_forward(model, b: Batch, temperature: float = 1.0, entropy: bool = False
     def spread(x): return torch.zeros(b.loss_mask.shape, dtype=x.dtype, device=x.device).index_copy(1, keep + 1, x) * b.loss_mask
     return spread(lp), (spread(h) if entropy else None), (out.hidden_states[-1] if hidden else None)
 
+# %% ../nbs/05_masking.ipynb #976a03fb
+from transformers import DynamicCache
+from .models import GQA_ATTENTION
+
+class SharedStart:
+    "The start every row of batch `b` shares (`shared_prefix_length`), run once through causal LM `model`'s trunk: its keys and values, which each packed pass reads as leaves that gather the gradients sent back, and `backward`, which passes them on through the start's own forward."
+    def __init__(self, model, b: Batch, grad: bool = False):
+        self.length = shared_prefix_length(b)
+        cache = model.get_decoder()(input_ids=b.input_ids[:1, :self.length], position_ids=b.position_ids[:1, :self.length],
+                                    use_cache=True).past_key_values
+        self.outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        self.leaves = [t.detach().requires_grad_(grad) for t in self.outputs]
+
+    def cache(self) -> DynamicCache:
+        "A fresh cache of the start's keys and values (one row), for one pass to extend."
+        return DynamicCache(ddp_cache_data=list(zip(self.leaves[::2], self.leaves[1::2])))
+
+    def backward(self):
+        "Send the gradients the passes left on the start's keys and values back through the start's forward: once per optimizer step, after every micro-batch's backward."
+        pairs = [(out, leaf.grad) for out, leaf in zip(self.outputs, self.leaves) if leaf.grad is not None]
+        if pairs: torch.autograd.backward(*zip(*pairs))
+
+def packed_forward(model, b: Batch, temperature: float = 1.0, entropy: bool = False,
+                   start: SharedStart | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    "`llm_forward`'s (B, L) logprobs of `b`'s LLM tokens (and entropies), 0 off the loss mask, from one packed sequence and no padding: the prompt start `b`'s rows share once, then each row's own ids, which see that start and their own row only; `start`: the first part of that start, already run once for a larger batch."
+    n0, n = (start.length if start is not None else 0), shared_prefix_length(b)
+    lengths, device = b.attention_mask.sum(-1).tolist(), b.input_ids.device
+    pieces = [slice(n0, n)] + [slice(n, m) for m in lengths]
+    ids = torch.cat([b.input_ids[max(r - 1, 0), s] for r, s in enumerate(pieces)])[None]
+    positions = torch.cat([b.position_ids[max(r - 1, 0), s] for r, s in enumerate(pieces)])[None]
+    if model.config._attn_implementation == GQA_ATTENTION:   # `tree_attention` (01): each row's attention on its own
+        see = dict(attention_mask=None, tree=(n0, n - n0, [m - n for m in lengths]))
+    else:   # any attention that reads a mask: one dense (length, start + length) mask, rows blind to each other
+        owner = torch.cat([torch.full((s.stop - s.start,), r - 1, device=device) for r, s in enumerate(pieces)])   # -1: the shared start
+        sees = torch.ones(len(owner), len(owner), dtype=torch.bool, device=device).tril() & ((owner[None] == -1) | (owner[:, None] == owner[None]))
+        see = dict(attention_mask=torch.cat([torch.ones(len(owner), n0, dtype=torch.bool, device=device), sees], -1)[None, None])
+    hidden = model.get_decoder()(input_ids=ids, position_ids=positions, past_key_values=start and start.cache(), use_cache=False,
+                                 **see).last_hidden_state[0]
+    rows, cols = b.loss_mask.nonzero(as_tuple=True)
+    offsets = torch.tensor([n - n0] + [m - n for m in lengths[:-1]], device=device).cumsum(0)   # where each row's own ids begin
+    before = cols - 1   # the hidden state at t − 1 predicts token t: the start's last one for a row's first LLM token
+    logits = model.get_output_embeddings()(hidden[torch.where(before < n, before - n0, offsets[rows] + before - n)])
+    logprobs, entropies = token_stats(logits[None], b.input_ids[rows, cols][None], temperature, entropy)
+    def spread(x): return torch.zeros(b.loss_mask.shape, dtype=x.dtype, device=device).index_put((rows, cols), x[0])
+    return spread(logprobs), (spread(entropies) if entropy else None)
+
 # %% ../nbs/05_masking.ipynb #c43f7ed7
 import copy
 from pathlib import Path
@@ -218,9 +264,7 @@ class ValueModel(nn.Module):
             torch.manual_seed(seed)
             self.head = nn.Linear(hidden_size, 1)
             nn.init.normal_(self.head.weight, std=0.02); nn.init.zeros_(self.head.bias)
-        if trunk is not None:
-            p = next(trunk.parameters())
-            self.head.to(device=p.device, dtype=p.dtype)
+        if trunk is not None: self.head.to(next(trunk.parameters()).device)   # float32 whatever the trunk's dtype: it is trained
 
     @property
     def shared(self) -> bool:
@@ -230,8 +274,7 @@ class ValueModel(nn.Module):
     @classmethod
     def on_actor(cls, actor: nn.Module, seed: int = 0) -> 'ValueModel':
         "A shared critic: a new head reading the final hidden states of causal LM `actor`."
-        p = next(actor.parameters())
-        return cls(None, actor.config.hidden_size, seed).to(device=p.device, dtype=p.dtype)
+        return cls(None, actor.config.hidden_size, seed).to(next(actor.parameters()).device)
 
     @classmethod
     def from_causal_lm(cls, lm: nn.Module, seed: int = 0) -> 'ValueModel':
@@ -256,16 +299,19 @@ class ValueModel(nn.Module):
             if self.shared: raise TypeError("a shared critic has no trunk: use policy_and_values(actor, critic, batch)")
             hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False).last_hidden_state
-        return F.pad(self.head(hidden).squeeze(-1).float()[:, :-1], (1, 0))
+        with torch.autocast(hidden.device.type, enabled=False): values = self.head(hidden.float()).squeeze(-1)
+        return F.pad(values[:, :-1], (1, 0))
 
 def forward_values(critic: ValueModel, b: Batch) -> torch.Tensor:
     "(B, L) values of the tokens of `b` under a separate `critic`, 0 on padding."
     return critic(b.input_ids, b.attention_mask, b.position_ids) * b.attention_mask
 
-def policy_and_values(actor: nn.Module, critic: ValueModel | None, b: Batch, temperature: float = 1.0,
-                      entropy: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    "`llm_forward`'s (B, L) logprobs and entropies of the LLM tokens under `actor`, and (B, L) values (0 on padding; None without a critic); one trunk pass for a shared critic, whose loss stops at the head."
+def policy_and_values(actor: nn.Module, critic: ValueModel | None, b: Batch, temperature: float = 1.0, entropy: bool = True,
+                      share_prefix: bool = False, packed: bool = False, start: SharedStart | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    "`llm_forward`'s (B, L) logprobs and entropies of the LLM tokens under `actor` (`packed_forward`'s with `packed`, after `start`), and (B, L) values (0 on padding; None without a critic); one trunk pass for a shared critic, whose loss stops at the head."
     shared = critic is not None and extract_model_from_parallel(critic).shared   # models wrapped by accelerate keep their attributes inside
-    logprobs, entropies, hidden = llm_forward(actor, b, temperature, entropy, hidden=shared, share_prefix=share_prefix)
+    if packed and not shared: (logprobs, entropies), hidden = packed_forward(actor, b, temperature, entropy, start), None
+    else: logprobs, entropies, hidden = llm_forward(actor, b, temperature, entropy, hidden=shared, share_prefix=share_prefix)
     values = None if critic is None else critic(hidden=hidden.detach()) * b.attention_mask if shared else forward_values(critic, b)
     return logprobs, entropies, values

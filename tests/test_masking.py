@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import re
 
-from ragen_nb.masking import Batch, collate, env_mask, forward_logprobs, mask_table, masked_mean, token_logprobs
+from ragen_nb.masking import (Batch, SharedStart, collate, env_mask, forward_logprobs, llm_forward, mask_table, masked_mean,
+                              packed_forward, token_logprobs)
 from ragen_nb.models import tiny_model
 from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
 
@@ -202,3 +203,43 @@ def test_mask_table_colours_each_column_by_who_wrote_it(trajs):
             assert [c.split()[0] for c in classes] == kinds
             assert [c.endswith(' on') for c in classes] == ([k == 'LLM' for k in kinds] if name == 'loss mask' else [False] * len(kinds))
         assert len(re.findall(r'<td ', mask_table(b, row, start=2, end=5).data)) == 7 * len(kinds[2:5])
+
+
+@st.composite
+def room_groups(draw):
+    "Two room groups of 1-3 rollouts each: every rollout of a group shares its group's prompt, every prompt the first ids of the other's."
+    start = draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=4))
+    groups = []
+    for g in range(2):
+        prompt = start + draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=4))
+        group = []
+        for _ in range(draw(st.integers(1, 3))):
+            t = Trajectory(seed=g).add(prompt, PROMPT, 0)
+            for k in range(1, draw(st.integers(1, 3)) + 1):
+                t.add(draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=4)), LLM, k)
+                env = draw(st.lists(st.integers(3, VOCAB - 1), max_size=4))
+                if env: t.add(env, ENV, k)
+            group.append(t)
+        groups.append(group)
+    return groups
+
+
+@settings(max_examples=25, deadline=None)
+@given(room_groups(), st.sampled_from([1.0, 0.7]))
+def test_packed_forward_gives_the_plain_logprobs_entropies_and_gradients(groups, temperature):
+    "Each room group packed into one sequence after a start run once for both: the logprobs and entropies of the padded plain pass (and the reference, `forward_logprobs`), and its gradients, the start's included."
+    model = tiny_model(_Vocab(), seed=2)
+    b = collate([t for g in groups for t in g], pad_id=0)
+    model.zero_grad()
+    lp, ent, _ = llm_forward(model, b, temperature, entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    start = SharedStart(model, b, grad=True)
+    rows = [list(range(len(groups[0]))), list(range(len(groups[0]), len(b)))]
+    fast = [packed_forward(model, b[r], temperature, True, start) for r in rows]
+    (sum(l.sum() + e.sum() for l, e in fast)).backward(); start.backward()
+    torch.testing.assert_close(torch.cat([l for l, _ in fast]).detach(), lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([e for _, e in fast]).detach(), ent.detach(), atol=1e-5, rtol=0)
+    with torch.no_grad(): torch.testing.assert_close(lp, forward_logprobs(model, b, temperature) * b.loss_mask, atol=1e-5, rtol=0)
+    for p, g in zip(model.parameters(), plain): torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
