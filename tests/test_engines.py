@@ -1,13 +1,14 @@
 "Tests for ragen_nb.engines: the vLLM engine against HF on the real SmolLM2 (weight sync, stop, logprobs), make_engine, the mismatch KL."
 import functools, math, random
 import numpy as np, pytest, torch
-from ragen_nb.models import load_tokenizer, load_model, resolve, EMBEDDED
+from ragen_nb.models import load_tokenizer, load_model, resolve, tiny_model, EMBEDDED
 from ragen_nb.sokoban import SokobanEnv, EnvSettings
 from ragen_nb.data import render_prompt
 from ragen_nb.masking import collate, forward_logprobs
 from ragen_nb.rollout import HFEngine, RolloutConfig, rollout, truncate_after_answer, CLOSE
 from ragen_nb.tokens import LLM
-from ragen_nb.engines import (SharedPrefixEngine, TurnCacheEngine, VLLMEngine, choose_engine, make_engine, vllm_available,
+from ragen_nb.engines import (DecodeEngine, common_prefix_length, SharedPrefixEngine, TurnCacheEngine, VLLMEngine, choose_engine, draws, make_engine, pick,
+                              reference_generate, vllm_available,
                               logprob_mismatch_kl)
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
@@ -46,6 +47,49 @@ def test_mismatch_kl_is_unbiased_for_kl_p_q():
     estimate = logprob_mismatch_kl(p.log()[draws], q.log()[draws], torch.ones(len(draws)))
     assert estimate == pytest.approx(exact, rel=0.01) and abs(estimate - reverse) > 0.05 * exact
 
+def test_pick_samples_the_distribution_and_each_row_draws_alone():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, generator=g) * 3
+    u = draws(1, 100_000, seed=2)[0]
+    for temperature in (0.5, 1.0):
+        drawn = pick(logits[:1].expand(len(u), -1), u, temperature)[0]
+        assert torch.allclose(torch.bincount(drawn, minlength=7) / len(u), torch.softmax(logits[0] / temperature, -1), atol=0.006)
+    assert pick(logits, torch.tensor([0.3, 0.9]), 0)[0].tolist() == logits.argmax(-1).tolist()
+    assert torch.equal(draws(5, 4, seed=1)[:3], draws(3, 4, seed=1))            # row r's draws: the same whoever else runs
+    token, logprob = pick(logits, torch.tensor([0.0, 0.999999]), 1.0)
+    assert torch.allclose(logprob, torch.log_softmax(logits, -1).gather(1, token[:, None])[:, 0])
+    sure = torch.tensor([[0., -1e9, 5., -1e9]])                                # a token of probability 0 is never drawn
+    assert set(pick(sure.expand(1000, -1), draws(1, 1000, seed=0)[0], 1.0)[0].tolist()) <= {0, 2}
+
+def test_decode_engine_answers_as_the_plain_loop(tok):
+    "The same ids (greedy, seeded, top-p) and logprobs to float rounding as `reference_generate`, which runs each prompt alone with no cache; the second turn continues from kept keys and values; greedy, the same ids as HF generate."
+    tiny = tiny_model(tok)
+    start = tok.encode('The room:\n#####\n#_P_#\n', add_special_tokens=False)
+    rows = [start + tok.encode('#_X_#', add_special_tokens=False), start, start + tok.encode('#_X_#', add_special_tokens=False), start[:3]]
+    engine = DecodeEngine(tiny, tok)
+    for kw in (dict(temperature=0), dict(temperature=0.7, top_p=0.9, seed=5), dict(temperature=1.0, seed=1)):
+        fast, plain = engine.generate(rows, 8, stop_at_answer=False, **kw), reference_generate(tiny, tok, rows, 8, stop_at_answer=False, **kw)
+        assert [i for i, _ in fast] == [i for i, _ in plain]
+        torch.testing.assert_close(torch.tensor([l for _, x in fast for l in x]), torch.tensor([l for _, x in plain for l in x]), atol=1e-5, rtol=0)
+        second = [p + ids + start[:4] for p, (ids, _) in zip(rows, fast)]
+        before = engine.stats['prefill_tokens']
+        fast2 = engine.generate(second, 6, stop_at_answer=False, continues=True, **kw)
+        assert [i for i, _ in fast2] == [i for i, _ in reference_generate(tiny, tok, second, 6, stop_at_answer=False, **kw)]
+        distinct = {tuple(p) for p in second}
+        assert engine.stats['prefill_tokens'] - before == len(distinct) * (1 + 4)   # each distinct prompt: its answer's last id and the reply
+    assert [i for i, _ in engine.generate(rows, 8, 0, stop_at_answer=False)] == [i for i, _ in HFEngine(tiny, tok).generate(rows, 8, 0, stop_at_answer=False)]
+
+def test_decode_engine_on_real_prompts_runs_a_group_once_and_lets_finished_rows_leave(tok):
+    model = load_model(device='cpu')
+    group = [prompts()[0]] * 4 + [prompts()[1], prompts()[2][:-3]]   # a room group, another room, a prompt cut short (runs on)
+    engine = DecodeEngine(model, tok)
+    out = engine.generate(group, 8, 0)
+    assert [len(i) for i, _ in out] == [4, 4, 4, 4, 4, 8]               # five rows stop at </answer> and leave; one runs to 8
+    assert [i for i, _ in out] == [i for i, _ in reference_generate(model, tok, group, 8, 0)] == [i for i, _ in HFEngine(model, tok).generate(group, 8, 0)]
+    distinct = list(dict.fromkeys(map(tuple, group)))
+    shared = common_prefix_length([list(p) for p in distinct])
+    assert shared > 80 and engine.stats['prefill_tokens'] == sum(map(len, distinct)) - 2 * shared   # the start all share once; each distinct prompt once
+
 def test_make_engine_hf_and_bad_kind():
     tok = tokenizer()
     actor = torch.nn.Linear(1, 1)
@@ -55,7 +99,8 @@ def test_make_engine_hf_and_bad_kind():
     turns = make_engine('hf', tok, actor, turn_cache=True)
     assert type(turns) is TurnCacheEngine
     turns.kept = {(1, 2): []}; turns.before_update(); assert turns.kept == {}   # its kept keys and values are dropped before an update
-    with pytest.raises(ValueError, match="'hf' or 'vllm'"): make_engine('sglang', tok, actor)
+    assert type(make_engine('decode', tok, actor)) is DecodeEngine
+    with pytest.raises(ValueError, match="'hf', 'decode' or 'vllm'"): make_engine('sglang', tok, actor)
     with pytest.raises(ValueError, match='pass model='): make_engine('hf', tok)
 
 
@@ -68,7 +113,8 @@ def test_choose_engine_says_which_and_why(monkeypatch):
     assert choose_engine('auto', processes=2) == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: 2 processes)')
     assert choose_engine('auto', tensor_parallel=2) == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: ROLLOUT_TP_SIZE=2)')
     with pytest.raises(ValueError, match='2 processes: use ROLLOUT_ENGINE=hf'): choose_engine('vllm', processes=2)
-    with pytest.raises(ValueError, match="must be 'hf', 'vllm' or 'auto'"): choose_engine('sglang')
+    assert choose_engine('decode') == ('decode', 'rollout engine: decode')
+    with pytest.raises(ValueError, match='must be one of hf, decode, vllm, auto'): choose_engine('sglang')
     monkeypatch.setattr(engines, 'vllm_available', lambda: False)
     assert choose_engine('auto') == ('hf', 'rollout engine: hf (ROLLOUT_ENGINE=auto: vLLM is not installed)')
     with pytest.raises(ValueError, match=r'vLLM is not installed: run `bash \.ci/vllm`'): choose_engine('vllm')
