@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['STATE_FILE', 'SETTINGS_FILE', 'BEST_FILE', 'save_checkpoint', 'load_training_state', 'checkpoints',
-           'checkpoint_problem', 'latest_checkpoint', 'best_checkpoint', 'checkpoint_settings']
+           'checkpoint_problem', 'latest_checkpoint', 'best_checkpoint', 'checkpoint_settings', 'load_policy']
 
 # %% ../nbs/16_checkpoint.ipynb #b7c78b43
 import copy, json, random, shutil, tempfile, zipfile
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from safetensors.torch import save_file
 
-from .models import files_problem, is_lora, quiet_hf_bars
+from .models import files_problem, is_lora, load_model, quiet_hf_bars, with_lora
 from .masking import HEAD_FILE, ValueModel
 
 # %% ../nbs/16_checkpoint.ipynb #5f4bd402
@@ -28,10 +28,10 @@ def _rng_state() -> dict:
                 cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
 def _save_merged(model: nn.Module, path: Path):
-    "Save `model` as a plain Hugging Face folder at `path`; a LoRA model is saved merged, and its adapter also to `path_lora`."
+    "Save `model` as a plain Hugging Face folder at `path`; a LoRA model is saved merged in float32 (a bf16 base would round small updates away), and its adapter also to `path_lora`."
     if not is_lora(model): return model.save_pretrained(path)
     model.save_pretrained(path.with_name(path.name + '_lora'))
-    copy.deepcopy(model).merge_and_unload().save_pretrained(path)
+    copy.deepcopy(model).float().merge_and_unload().save_pretrained(path)
 
 def save_checkpoint(folder: str | Path,  # the run's folder, e.g. output_dir/experiment_name
                     step: int,  # training steps done; the checkpoint is folder/global_step_{step}
@@ -120,3 +120,12 @@ def checkpoint_settings(name: str | Path) -> dict:
     if (path/'sft.json').exists(): return json.loads((path/'sft.json').read_text()).get('config') or {}
     if (path/STATE_FILE).exists(): return torch.load(path/STATE_FILE, weights_only=False, map_location='cpu').get('config') or {}
     return {}
+
+# %% ../nbs/16_checkpoint.ipynb #4220e39f
+def load_policy(name: str | Path, dtype=None, device=None):
+    "The policy of model or checkpoint `name`, in eval mode: a LoRA checkpoint as its run's base model (in `dtype`) with the saved adapters (float32), as its run computed it; anything else as `load_model` loads it."
+    path = Path(name).expanduser()
+    if path.name == 'actor': path = path.parent
+    base = checkpoint_settings(path).get('base_model') if (path/'actor_lora').exists() else None
+    if base is None: return load_model(str(name), dtype, device)
+    return with_lora(load_model(base, dtype, device), 0, 0, saved=path/'actor_lora').eval()

@@ -146,6 +146,10 @@ class RunLog:
         "Print `line` (to stderr if `error`)."
         if self.main: print(line, file=sys.stderr if error else sys.stdout, flush=True)
 
+    def decided(self, cfg: Config):
+        "Record in run.json what the run decided for itself from `cfg` (`Config.decided`, 15): whether it computes in bf16 and recomputes the old logprobs."
+        if self.main: self.run_file.update(decided=dict(bf16=cfg.bf16 == 'true', recompute_old_logprobs=cfg.recompute_old_logprobs == 'true'))
+
     def write(self, record: dict):
         "One line of `metrics.jsonl` (flushed), the same record to wandb, run.json brought up to date, and a console warning when the run falls into the echo trap (11)."
         if not self.main: return

@@ -23,7 +23,7 @@ from .data import DEFAULT_SPLITS, positions, render_prompt, observation_message,
 from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, env_reply
 from .masking import Batch, collate, masked_mean, llm_forward
-from .models import check_model, cpu_has_bf16, load_model, load_tokenizer, with_lora
+from .models import bf16_compute, check_model, default_device, load_model, load_tokenizer, use_bf16, with_lora
 from .evaluate import heldout_seeds, play, trajectory_metrics
 from .engines import SharedPrefixEngine
 from .config import RunSettings, setting
@@ -138,7 +138,7 @@ def sft_step(model: nn.Module,  # a causal LM, possibly with LoRA adapters
              grad_clip: float = 1.0,  # max gradient norm
              share_prefix: bool = True,  # run the prompt start a micro-batch shares once (the same loss, 05)
              step: int = 0,  # for the error message
-             bf16: bool = False,  # forward and backward under bf16 autocast (the weights and AdamW stay fp32)
+             bf16: bool = False,  # forward and backward in bf16: under autocast (weights trained in full and AdamW stay fp32), LoRA adapters on a bf16 base too (`bf16_compute`)
             ) -> dict:
     "One optimizer step on `trajs`: the token mean of −log π over all their LLM tokens; loss, grad_norm and token counts."
     n_tokens = sum(t.sources.count(LLM) for t in trajs)
@@ -148,7 +148,7 @@ def sft_step(model: nn.Module,  # a causal LM, possibly with LoRA adapters
     try:
         for start in range(0, len(order), micro_batch_size):
             b = collate([trajs[i] for i in order[start:start + micro_batch_size]], pad_id).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), bf16_compute(model):
                 loss = -llm_forward(model, b, share_prefix=share_prefix)[0].sum() / n_tokens   # this micro-batch's share of the token mean
             finite = finite and bool(torch.isfinite(loss))
             loss.backward(); total += loss.item()
@@ -237,11 +237,12 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
     stream = demonstration_stream(tok, train_seeds(cfg), settings, rollout_cfg, cfg.multi_turn, cfg.seed, skipped, cfg.format_only)
     batch = [next(stream) for _ in range(cfg.train_batch_size)]   # a demonstration that breaks a limit fails here
     heldout = val_seeds(cfg) if cfg.test_freq else []
-    model = load_model(cfg.base_model, None if cfg.lora_rank else torch.float32)   # trained in full: fp32 weights and AdamW, also on a GPU
+    bf16, precision = use_bf16(cfg.bf16, default_device())   # BF16=auto: bf16 where it is native (01)
+    if progress: print(precision, file=sys.stderr)
+    if bf16 and default_device().type == 'cpu' and 'emulated' in precision: warnings.warn(f"{precision}, many times slower: set BF16=false")
+    frozen = torch.bfloat16 if bf16 else torch.float32
+    model = load_model(cfg.base_model, frozen if cfg.lora_rank else torch.float32)   # trained in full: fp32 weights and AdamW, also on a GPU
     if cfg.lora_rank: model = with_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
-    if cfg.bf16 and model.device.type == 'cpu' and cpu_has_bf16() is False:
-        warnings.warn("BF16=true on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 among its flags): bf16 is "
-                      "emulated here and many times slower than fp32; set BF16=false")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = lr_schedule(opt, cfg)
     run_file, status = RunRecord(run, 'sft', argv, dataclasses.asdict(cfg)), 'stopped'   # run.json, and how it ends unless the loop does
@@ -251,7 +252,7 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
                                                           disable=not progress) as bar:
             for step in bar:
                 t0, c0, lr = time.perf_counter(), time.process_time(), schedule.get_last_lr()[0]
-                out = sft_step(model, opt, batch, tok.pad_token_id, cfg.micro_batch_size, cfg.grad_clip, cfg.share_prefix, step, cfg.bf16)
+                out = sft_step(model, opt, batch, tok.pad_token_id, cfg.micro_batch_size, cfg.grad_clip, cfg.share_prefix, step, bf16)
                 schedule.step()
                 seen['train_s'] += time.perf_counter() - t0; seen['train_cpu_s'] += time.process_time() - c0
                 seen['examples'] += len(batch); seen['answers'] += sum(len(t.actions) for t in batch); seen['tokens'] += out['tokens']

@@ -7,7 +7,7 @@ __all__ = ['METRICS', 'TRAIN_METRICS', 'START_FILE', 'Processes', 'score_batch',
            'lr_schedule', 'room_seeds', 'batch_seeds', 'Setup', 'setup', 'train']
 
 # %% ../nbs/18_trainer.ipynb #97e84a8d
-import contextlib, dataclasses, json, math, random, sys, time, warnings
+import contextlib, dataclasses, json, math, os, random, sys, time, warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 from transformers import get_scheduler
 
 from .sokoban import EnvSettings
-from .models import cpu_has_bf16, is_lora, load_model, load_tokenizer, resolve, with_lora
+from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, use_bf16, with_lora
 from .tokens import LLM, Trajectory
 from .data import SPLITS, DEFAULT_SPLITS, load_split, split_seeds
 from .rollout import episode_metrics, mixed_seed, rollout
-from .masking import HEAD_FILE, Batch, ValueModel, collate, masked_mean, llm_forward, policy_and_values
+from .masking import (HEAD_FILE, Batch, SharedStart, ValueModel, collate, masked_mean, llm_forward, packed_forward,
+                              policy_and_values, shared_prefix_length)
 from .gae import whiten
 from .advantages import TurnTable, on_tokens
 from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss
@@ -68,9 +69,10 @@ def _trimmed(b: Batch) -> Batch:
     def cut(v): return v if v is None or v.dim() == 1 else v[:, :n]
     return Batch(**{f.name: cut(getattr(b, f.name)) for f in dataclasses.fields(b)})
 
-def _autocast(b: Batch, cfg: Config):
-    "bf16 autocast on `b`'s device when `cfg.bf16` (weights and AdamW stay fp32), else nothing."
-    return torch.autocast(b.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+@contextlib.contextmanager
+def _precision(actor: nn.Module, b: Batch, cfg: Config):
+    "The passes of `actor` on `b` in bf16 when the run computes in bf16 (`cfg.bf16`, decided by `Config.decided`): autocast (weights trained in full and AdamW stay fp32) and, on a bf16 trunk, LoRA adapters in bf16 from their fp32 weights (`bf16_compute`, 01)."
+    with torch.autocast(b.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 == 'true'), bf16_compute(actor): yield
 
 def _nonfinite(step: int, what: str, *opts):
     "Clear the gradients and raise: the update of `step` is not applied."
@@ -112,30 +114,42 @@ class Processes:
         return (nn.utils.clip_grad_norm_ if self.acc is None else self.acc.clip_grad_norm_)(parameters, max_norm)
 
 # %% ../nbs/18_trainer.ipynb #ebac43fa
-def _reference_logprobs(actor, ref, mb: Batch, temperature: float, share_prefix: bool = False) -> torch.Tensor:
+def _reference_logprobs(actor, ref, mb: Batch, cfg: Config) -> torch.Tensor:
     "Logprobs of `mb` under `ref`, or, without one, under a LoRA `actor` with its adapters switched off: the base model."
-    if ref is not None: return llm_forward(ref, mb, temperature, share_prefix=share_prefix)[0]
+    def logprobs(model):
+        if cfg.packed: return packed_forward(model, mb, cfg.temperature)[0]
+        return llm_forward(model, mb, cfg.temperature, share_prefix=cfg.share_prefix)[0]
+    if ref is not None: return logprobs(ref)
     actor = extract_model_from_parallel(actor)
-    with actor.disable_adapter(): return llm_forward(actor, mb, temperature, share_prefix=share_prefix)[0]
+    with actor.disable_adapter(): return logprobs(actor)
 
 @torch.no_grad()
-def _score(actor, critic, ref, b: Batch, cfg: Config) -> tuple:
-    "Old logprobs (the sampler's with RECOMPUTE_OLD_LOGPROBS=False), values (None without a critic) and reference logprobs (None without a reference, or when only the metric needs them and MEASURE_KL_REF=False) of `b`, micro-batch by micro-batch; passes nothing needs are skipped."
-    recompute = cfg.recompute_old_logprobs
-    old = torch.zeros_like(b.loss_mask) if recompute else b.sampled_logprobs * b.loss_mask
+def _score(actor, critic, ref, b: Batch, cfg: Config, old: bool = True) -> tuple:
+    "Old logprobs (the sampler's unless the run recomputes them: RECOMPUTE_OLD_LOGPROBS; None with `old=False`, left to the update), values (None without a critic) and reference logprobs (None without a reference, or when only the metric needs them and MEASURE_KL_REF=False) of `b`, micro-batch by micro-batch; passes nothing needs are skipped."
+    recompute = old and cfg.recompute_old_logprobs != 'false'
+    olds = None if not old else torch.zeros_like(b.loss_mask) if recompute else b.sampled_logprobs * b.loss_mask
     values = torch.zeros_like(b.loss_mask) if critic is not None else None
     needs_ref = cfg.kl_coef > 0 or cfg.kl_loss_coef > 0 or cfg.measure_kl_ref
     has_ref = (ref is not None or is_lora(actor)) and needs_ref
     refs = torch.zeros_like(b.loss_mask) if has_ref else None
+    with _precision(actor, b, cfg): start = SharedStart(actor, b) if cfg.packed and (recompute or values is not None) else None
     for rows in torch.arange(len(b)).split(cfg.micro_batch_size):
         mb = _trimmed(b[rows]); n = mb.input_ids.shape[1]
-        with _autocast(mb, cfg):
+        with _precision(actor, mb, cfg):
             if recompute or values is not None:
-                logprobs, _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False, share_prefix=cfg.share_prefix)
-                if recompute: old[rows, :n] = logprobs
+                logprobs, _, v = policy_and_values(actor, critic, mb, cfg.temperature, entropy=False, share_prefix=cfg.share_prefix,
+                                                   packed=cfg.packed, start=start)
+                if recompute: olds[rows, :n] = logprobs
                 if values is not None: values[rows, :n] = v
-            if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg.temperature, cfg.share_prefix)
-    return old, values, refs
+            if has_ref: refs[rows, :n] = _reference_logprobs(actor, ref, mb, cfg)
+    return olds, values, refs
+
+def _old_metrics(b: Batch, recomputed: bool) -> dict:
+    "The metrics of a batch's old logprobs, once they are all in: KL to the reference, and how far the sampler's were from them."
+    mask, old, nan = b.loss_mask, b.old_logprobs, float('nan')
+    return {'actor/kl_ref': masked_mean(old - b.ref_logprobs, mask).item() if b.ref_logprobs is not None else nan,
+            'actor/sampler_gap': masked_mean((old - b.sampled_logprobs).abs(), mask).item() if recomputed else nan,
+            'rollout/logprob_mismatch_kl': logprob_mismatch_kl(b.sampled_logprobs.cpu(), old.cpu(), mask.cpu()) if recomputed else nan}
 
 def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter): whole room groups of cfg.group_size, in order
                 actor: nn.Module,  # the policy, a Hugging Face causal LM
@@ -144,8 +158,9 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
                 pad_id: int,  # the tokenizer's pad id
                 ref: nn.Module | None = None,  # frozen reference policy; required when cfg.kl_coef or cfg.kl_loss_coef > 0, unless the actor is LoRA
                 procs: Processes | None = None,  # the other processes (whitening and BRPO see every process's rows); None: this one alone
+                defer_old: bool = False,  # leave old logprobs the run recomputes, and no reward needs, to `ppo_update` (None)
                ) -> tuple[Batch, dict[str, float]]:
-    "The first half of a PPO iteration: `trajs` collated (05), with old and reference logprobs, values, advantages (07, 08) and returns filled in, as the update reads them; and the metrics measured before any update."
+    "The first half of a PPO iteration: `trajs` collated (05), with old and reference logprobs, values, advantages (07, 08) and returns filled in, as the update reads them; and the metrics measured before any update. With `defer_old`, old logprobs that the run recomputes and no reward needs are left to `ppo_update` (None), whose first pass gives the first minibatch's for free."
     procs, estimator = procs or Processes(), cfg.estimator
     if (cfg.kl_coef > 0 or cfg.kl_loss_coef > 0) and ref is None and not is_lora(actor):
         raise ValueError(f"kl_coef={cfg.kl_coef}, kl_loss_coef={cfg.kl_loss_coef}: a KL needs a reference model: pass ref=..., use LoRA, "
@@ -153,9 +168,10 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
     if (critic is not None) != estimator.critic:
         raise ValueError(f"adv_estimator={cfg.adv_estimator!r} " + ("needs a critic" if critic is None else "trains no critic: pass critic=None, critic_opt=None"))
     b = collate(trajs, pad_id, per_turn_rewards=cfg.per_turn_rewards).to(next(actor.parameters()).device)
-    mask = b.loss_mask
-    old, values, refs = _score(actor, critic, ref, b, cfg)
-    rewards = b.token_rewards if refs is None else kl_in_reward(b.token_rewards, old, refs, mask, cfg.kl_coef)
+    mask, recomputed = b.loss_mask, cfg.recompute_old_logprobs != 'false'
+    deferred = defer_old and recomputed and cfg.kl_coef == 0   # no reward needs them: the update's first pass gives the first minibatch's
+    old, values, refs = _score(actor, critic, ref, b, cfg, old=not deferred)
+    rewards = b.token_rewards if refs is None or cfg.kl_coef == 0 else kl_in_reward(b.token_rewards, old, refs, mask, cfg.kl_coef)
     if estimator.critic:   # on tokens, against the critic's values; whitened over every process's LLM tokens, as verl does
         advantages, returns = estimator.advantages(rewards, values, mask, b.turn_ids, cfg)
         used = whiten(advantages, mask, total=procs.sum)
@@ -164,32 +180,35 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
         per_turn = estimator.advantages(TurnTable.concat(procs.gather([table])), cfg)[procs.rank * n:(procs.rank + 1) * n, :table.rewards.shape[1]]
         advantages = used = on_tokens(per_turn.to(rewards.device), b.turn_ids, mask); returns = None
     scores = b.token_rewards.sum(-1)
-    recomputed, nan = cfg.recompute_old_logprobs, float('nan')
-    out = {'actor/kl_ref': masked_mean(old - refs, mask).item() if refs is not None else nan,
-           'actor/sampler_gap': masked_mean((old - b.sampled_logprobs).abs(), mask).item() if recomputed else nan,
-           'rollout/logprob_mismatch_kl': logprob_mismatch_kl(b.sampled_logprobs.cpu(), old.cpu(), mask.cpu()) if recomputed else nan,
-           'score/mean': scores.mean().item(), 'score/std': scores.std().item() if len(scores) > 1 else 0.,
+    out = {'score/mean': scores.mean().item(), 'score/std': scores.std().item() if len(scores) > 1 else 0.,
            'response/llm_tokens': mask.sum(-1).float().mean().item()}
     if critic is not None:
         out.update({'critic/explained_variance': explained_variance(values, returns, mask),
                     'critic/values': masked_mean(values, mask).item(), 'critic/returns': masked_mean(returns, mask).item(),
                     'critic/advantages': masked_mean(advantages, mask).item()})
-    return dataclasses.replace(b, old_logprobs=old, ref_logprobs=refs, values=values, advantages=used, returns=returns), out
+    b = dataclasses.replace(b, old_logprobs=old, ref_logprobs=refs, values=values, advantages=used, returns=returns)
+    if not deferred: out.update(_old_metrics(b, recomputed))   # else `ppo_update` measures them, once it has them all
+    return b, out
 
 # %% ../nbs/18_trainer.ipynb #dbe99fc0
-def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: int, procs: Processes) -> dict:
-    "One optimizer step of the actor (and the critic, if any) on the scored minibatch `b`, accumulated over micro-batches, each weighted by its share of the minibatch's LLM tokens (every process's)."
+def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: int, procs: Processes, before_step=None) -> dict:
+    "One optimizer step of the actor (and the critic, if any) on the scored minibatch `b`, accumulated over micro-batches, each weighted by its share of the minibatch's LLM tokens (every process's). A micro-batch whose loss can have no gradient (advantages all 0, no critic, no KL term, entropy above its floor) skips its backward, in one process. Old logprobs `b` lacks (None: no update has run yet) are this pass's own, detached, and come back as 'old_logprobs'; `before_step()` runs before the optimizer step."
     opts, models = [o for o in (actor_opt, critic_opt) if o is not None], [m for m in (actor, critic) if m is not None]
     for o in opts: o.zero_grad(set_to_none=True)
+    with _precision(actor, b, cfg): start = SharedStart(actor, b, grad=True) if cfg.packed else None   # once per optimizer step
     mine = b.loss_mask.sum().clamp(min=1)
     everyone = procs.sum(mine)   # the minibatch's LLM tokens on every process
     stats, finite, micro = defaultdict(float), True, torch.arange(len(b)).split(cfg.micro_batch_size)
+    if start is not None: stats['perf/forward_tokens'] = start.length
+    olds = torch.zeros_like(b.loss_mask) if b.old_logprobs is None else None   # filled from this pass
     for k, rows in enumerate(micro):
         mb = _trimmed(b[rows])
         share = mb.loss_mask.sum() / mine   # of this process's tokens: weights the logged means
         weight = mb.loss_mask.sum() * procs.world / everyone   # several processes average their gradients: × world undoes it
-        with _autocast(mb, cfg):
-            logprobs, entropies, new_values = policy_and_values(actor, critic, mb, cfg.temperature, share_prefix=cfg.share_prefix)
+        with _precision(actor, mb, cfg):
+            logprobs, entropies, new_values = policy_and_values(actor, critic, mb, cfg.temperature, share_prefix=cfg.share_prefix,
+                                                                packed=cfg.packed, start=start)
+        if olds is not None: olds[rows, :logprobs.shape[1]] = logprobs.detach(); mb = dataclasses.replace(mb, old_logprobs=logprobs.detach())
         pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                         cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip or None)
         entropy = masked_mean(entropies, mb.loss_mask)
@@ -206,8 +225,23 @@ def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: i
             loss = loss + v_loss; terms.update({'critic/vf_loss': v_loss.item(), 'critic/vf_clipfrac': v_stats['vf_clipfrac']})
         loss = loss * weight
         finite = finite and bool(torch.isfinite(loss))   # checked after backward, so that every process reaches the all-reduce
-        procs.backward(loss, models, sync=k == len(micro) - 1)
+        floor_acts = cfg.entropy_coef > 0 and (not cfg.entropy_floor or entropy.item() < cfg.entropy_floor)
+        silent = procs.world == 1 and critic is None and cfg.kl_loss_coef == 0 and not floor_acts and not mb.advantages.any()
+        stats['perf/forward_tokens'] += (int(mb.attention_mask.sum()) - (len(mb) - 1) * shared_prefix_length(mb) - start.length
+                                         if cfg.packed else mb.input_ids.numel())   # ids through the model: packed, or padded
+        clock = time.perf_counter()
+        if not silent: procs.backward(loss, models, sync=k == len(micro) - 1)
+        stats['timing/backward'] += time.perf_counter() - clock
+        stats['perf/backward_skipped'] += float(silent) / len(micro)
         for key, v in terms.items(): stats[key] += share.item() * v
+    clock = time.perf_counter()
+    if start is not None: start.backward()   # the shared start's part of the gradient, once
+    for m in models:   # every backward skipped: zero gradients, so AdamW still steps its moments and decays the weights
+        for q in m.parameters():
+            if q.requires_grad and q.grad is None: q.grad = torch.zeros_like(q)
+    stats['timing/backward'] += time.perf_counter() - clock
+    if before_step is not None: before_step()
+    clock = time.perf_counter()
     norms = {'actor/grad_norm': procs.clip(actor.parameters(), cfg.grad_clip)}
     if critic is not None: norms['critic/grad_norm'] = procs.clip(critic.parameters(), cfg.grad_clip)
     if not finite:
@@ -217,7 +251,8 @@ def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: i
         sizes = ', '.join(f"{k.split('/')[0]} {v.item()}" for k, v in norms.items())
         _nonfinite(step, f"gradient norm ({sizes})", *opts)
     for o in opts: o.step()
-    return {**stats, **{k: v.item() for k, v in norms.items()}}
+    stats['timing/optimizer'] = time.perf_counter() - clock
+    return {**stats, **{k: v.item() for k, v in norms.items()}, **({'old_logprobs': olds} if olds is not None else {})}
 
 def ppo_update(b: Batch,  # a batch scored by `score_batch`: whole room groups of cfg.group_size, in order
                actor: nn.Module, critic: ValueModel | None,  # the policy, and the value model (None for the critic-free estimators)
@@ -230,15 +265,32 @@ def ppo_update(b: Batch,  # a batch scored by `score_batch`: whole room groups o
     procs, g, logs = procs or Processes(), cfg.group_size, defaultdict(list)
     shuffle = torch.Generator().manual_seed(mixed_seed(cfg.seed, step))
     models = [m for m in (actor, critic) if m is not None]
+    deferred = filled = b.old_logprobs is None   # `score_batch` left them: the first minibatch's own pass, then the rest before its step
+    if deferred: b = dataclasses.replace(b, old_logprobs=torch.zeros_like(b.loss_mask))
     for m in models: m.train()
     try:
         for _ in range(cfg.num_update_per_roll):   # each room's rows side by side: a micro-batch shares their prompt
             rows = (torch.randperm(len(b) // g, generator=shuffle)[:, None] * g + torch.arange(g)).flatten()
-            for minibatch in rows.split(cfg.ppo_batch_size):
-                for k, v in _update(actor, critic, actor_opt, critic_opt, b[minibatch], cfg, step, procs).items(): logs[k].append(v)
+            minibatches = rows.split(cfg.ppo_batch_size)
+            for minibatch in minibatches:
+                rest = torch.cat([r for r in minibatches if r is not minibatch] or [rows[:0]]) if deferred else None
+                def score_rest():   # before the first optimizer step: the policy that sampled, in the update's arithmetic
+                    clock = time.perf_counter()
+                    if len(rest):
+                        for m in models: m.eval()
+                        b.old_logprobs[rest] = _score(actor, None, None, b[rest], dataclasses.replace(cfg, measure_kl_ref=False, kl_loss_coef=0))[0]
+                        for m in models: m.train()
+                    logs['timing/score'].append(time.perf_counter() - clock)
+                out = _update(actor, critic, actor_opt, critic_opt, b[minibatch] if not deferred else dataclasses.replace(b[minibatch], old_logprobs=None),
+                              cfg, step, procs, score_rest if deferred else None)
+                if deferred: b.old_logprobs[minibatch] = out.pop('old_logprobs'); deferred = False
+                for k, v in out.items(): logs[k].append(v)
     finally:
         for m in models: m.eval()
-    return {k: sum(v) / len(v) for k, v in logs.items()}
+    out = {k: sum(v) if k.startswith('timing/') or k.endswith('_tokens') else sum(v) / len(v) for k, v in logs.items()}   # seconds and tokens add up, the rest is averaged
+    if filled: out.update(_old_metrics(b, recomputed=True))
+    return out
+
 
 # %% ../nbs/18_trainer.ipynb #4619bea9
 def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): whole room groups of cfg.group_size, in order
@@ -254,7 +306,7 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
             ) -> dict[str, float]:
     "One PPO iteration on `trajs`: `score_batch`, then `ppo_update`; the `METRICS` that apply."
     if len(trajs) % cfg.group_size: raise ValueError(f"{len(trajs)} trajectories are not whole room groups of group_size={cfg.group_size}")
-    b, out = score_batch(trajs, actor, critic, cfg, pad_id, ref, procs)
+    b, out = score_batch(trajs, actor, critic, cfg, pad_id, ref, procs, defer_old=True)
     out.update(ppo_update(b, actor, critic, actor_opt, critic_opt, cfg, step, procs))
     return {k: out[k] for k in METRICS if k in out}
 
@@ -285,7 +337,7 @@ TRAIN_METRICS = {
     'start/frontier_success': 'share of the episodes started there that solved their room',
     'start/true_start_share': 'share of training episodes started at their true start',
     'start/true_start_success': 'share of those that solved their room',
-    'rollout/engine': "the engine that sampled the rollouts, 'hf' or 'vllm' (ROLLOUT_ENGINE=auto picks vllm when it is installed)",
+    'rollout/engine': "the engine that sampled the rollouts, 'hf', 'decode' or 'vllm' (ROLLOUT_ENGINE=auto picks vllm when it is installed)",
     'val/success_rate': 'share of validation episodes solved at val_temperature, on the VAL_ROOMS train rooms withheld from training (validation steps only, as every val/ key)',
     'val/success_low': 'lower end of the 95% Wilson interval of val/success_rate, over rooms (10)',
     'val/success_high': 'upper end of that interval',
@@ -298,12 +350,22 @@ TRAIN_METRICS = {
     'val/mi_null': 'its shuffled-room null',
     'val/mi_null_std': 'std of that null over the shuffles',
     'timing/rollout': 'seconds to roll out the batch (generation and env steps)',
-    'timing/update': 'seconds of ppo_step: scoring, advantages and the updates',
+    'timing/update': 'seconds of scoring, advantages and the updates',
+    'timing/score': 'seconds of scoring alone: old and reference logprobs, values and advantages (part of timing/update)',
+    'timing/backward': 'seconds of the backward passes (part of timing/update)',
+    'timing/optimizer': 'seconds of gradient clipping and the optimizer steps (part of timing/update)',
+    'timing/prefill': "seconds of the rollout's prefill: prompts and env replies through the model (ROLLOUT_ENGINE=decode only, as the next two)",
+    'timing/decode': "seconds of the rollout's decoding: one sampled token per row and step",
+    'perf/rollout_tokens_per_s': 'tokens the rollout ran through the model (prefill and decode) per second of rollout',
     'timing/sync': 'seconds to wake the vLLM engine and push the actor weights into it; 0 for an engine that samples from the actor itself',
     'timing/validate': 'seconds of validation (0 on other steps)',
-    'timing/step': 'seconds of the whole step, logging included, checkpoint excluded',
-    'perf/rollout_tokens_per_s': 'LLM tokens sampled per second of rollout',
+    'timing/step': 'seconds of the whole step: rollout, update, sync and validation (logging and checkpoints excluded)',
+    'perf/sampled_tokens_per_s': 'LLM tokens sampled per second of rollout',
     'perf/update_tokens_per_s': 'batch tokens (prompt, LLM, env) per second of update, times num_update_per_roll',
+    'perf/prefill_tokens': "tokens the rollout's prefill ran through the model (ROLLOUT_ENGINE=decode only, as the next)",
+    'perf/decode_tokens': "tokens the rollout's decoding ran through the model: one per row and step",
+    'perf/forward_tokens': "tokens the update's forward passes ran through the model, summed over minibatches and epochs (packed, or padded)",
+    'perf/backward_skipped': "share of the update's micro-batches whose loss could have no gradient, so their backward was skipped",
 }
 
 # %% ../nbs/18_trainer.ipynb #4f40a9d5
@@ -335,9 +397,9 @@ def batch_seeds(seeds: list[int], step: int, batch_size: int, seed: int = 0, gro
 # %% ../nbs/18_trainer.ipynb #1de1dcad
 def _load_models(cfg: Config, checkpoint: Path | None, device=None) -> tuple:
     "Tokenizer, actor, critic (from `checkpoint`, else `base_model`; None for a critic-free estimator) and the frozen reference (None without a KL, or with LoRA, whose reference is the base)."
-    lora = cfg.lora_rank > 0
+    lora, frozen = cfg.lora_rank > 0, torch.bfloat16 if cfg.bf16 == 'true' else torch.float32   # cfg as `Config.decided` made it
     start = str(checkpoint) if checkpoint is not None and not lora else cfg.base_model   # LoRA: base weights + saved adapters
-    dtype = None if lora else torch.float32   # trained in full: fp32 weights and AdamW, also on a GPU (bf16 weights drop small updates)
+    dtype = frozen if lora else torch.float32   # trained in full: fp32 weights and AdamW, also on a GPU (bf16 weights drop small updates)
     tok, actor = load_tokenizer(cfg.base_model), load_model(start, dtype, device)
     critic = (None if cfg.critic_free else ValueModel.on_actor(actor, cfg.seed) if cfg.critic == 'shared' else
               ValueModel.from_pretrained(start, dtype, device, cfg.seed))
@@ -351,7 +413,7 @@ def _load_models(cfg: Config, checkpoint: Path | None, device=None) -> tuple:
         if critic is not None and not critic.shared:
             critic.trunk = with_lora(critic.trunk, cfg.lora_rank, cfg.lora_alpha, cfg.seed, checkpoint and checkpoint/'critic_lora')
     kl = cfg.kl_coef > 0 or cfg.kl_loss_coef > 0
-    ref = load_model(cfg.base_model, dtype, device).requires_grad_(False) if kl and not lora else None
+    ref = load_model(cfg.base_model, frozen, device).requires_grad_(False) if kl and not lora else None
     return tok, actor, critic, ref
 
 def _split(cfg: Config, world: int) -> Config:
@@ -400,7 +462,7 @@ class Setup:
     critic_opt: torch.optim.Optimizer | None
     schedules: list           # the learning-rate schedule of each optimizer (`lr_schedule`), stepped once per training step
     engine: object            # an Engine (04, 12): it samples the rollouts, and frees and refreshes what it holds around an update
-    engine_line: str          # which engine, and why (`choose_engine`)
+    lines: list[str]          # what the first screen says: the engine, the precision and the threads, and why
     checkpoint: Path | None   # the checkpoint resumed from (None: a fresh run)
     done: int                 # steps already done (the checkpoint's step; 0 for a fresh run)
     best: float               # the best validation success of a checkpoint kept for it (KEEP_BEST), -inf before any
@@ -411,8 +473,13 @@ def setup(cfg: Config) -> Setup:
     cfg.validate()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     procs = Processes(acc)
-    local, seeds = _split(cfg, procs.world), room_seeds(cfg)
     kind, engine_line = choose_engine(cfg.rollout_engine, procs.world, cfg.rollout_tp_size)   # an impossible choice fails here
+    cfg, precision_line = cfg.decided(acc.device, kind)   # BF16=auto and RECOMPUTE_OLD_LOGPROBS=auto, decided here
+    if (cfg.packed or cfg.share_prefix) and procs.world > 1:
+        raise ValueError(f"PACKED and SHARE_PREFIX run a shared start once and send its gradient back by hand, which {procs.world} "
+                         "processes would all-reduce too early: set PACKED=False and SHARE_PREFIX=False, or use one process")
+    local, seeds = _split(cfg, procs.world), room_seeds(cfg)
+    threads = f"threads: {torch.get_num_threads()} torch threads on {os.cpu_count()} cores (OMP_NUM_THREADS sets them)"
     run = Path(cfg.output_dir)/cfg.experiment_name
     checkpoint = latest_checkpoint(run)
     if not cfg.resume and (checkpoint is not None or (run/'metrics.jsonl').exists()):
@@ -441,32 +508,39 @@ def setup(cfg: Config) -> Setup:
                          gpu_memory_utilization=cfg.gpu_memory_utilization if torch.cuda.is_available() else None,
                          tensor_parallel_size=cfg.rollout_tp_size, enforce_eager=cfg.enforce_eager)
     return Setup(procs, acc.is_main_process, local, run, seeds, tok, actor, policy, critic, ref, actor_opt, critic_opt, schedules,
-                 engine, engine_line, checkpoint, done, best, starts)
+                 engine, [engine_line, precision_line, threads], checkpoint, done, best, starts)
 
 # %% ../nbs/18_trainer.ipynb #bc203339
-def _step_record(step: int, metrics: dict, lr: float, trajs: list[Trajectory], kept: list[Trajectory], keep: list[bool], val: dict,
-                 clock: list[float], engine, cfg: Config, procs: Processes) -> dict:
-    "The metrics.jsonl line of training step `step`: the update's `METRICS`, how every process's episodes went, the group and collapse metrics (11), validation, and timings from `clock` (the time at the start, after the rollout, the update, the sync and validation)."
-    everyone, keep = procs.gather(trajs), procs.gather(keep)   # the whole batch
+@contextlib.contextmanager
+def _timed(times: dict, phase: str):
+    "Add the seconds the block takes to `times[phase]`."
+    start = time.perf_counter()
+    try: yield
+    finally: times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
+
+def _step_record(step: int, metrics: dict, lr: float, everyone: list[Trajectory], kept: list[Trajectory], keep: list[bool], val: dict,
+                 times: dict, ran: dict, engine: str, cfg: Config) -> dict:
+    "The metrics.jsonl line of training step `step`: the update's `METRICS`, how the episodes of every process (`everyone`, with the filter's `keep` of each room group) went, the group and collapse metrics (11), validation, the seconds of each phase (`times`), and the rollout's throughput (`ran`: the tokens and seconds of prefill and decode, from engines that count them)."
     outcome = episode_metrics(everyone)
     groups = {**filter_metrics(everyone, cfg.group_size, keep), **collapse_metrics(everyone, cfg.group_size, seed=step)} if cfg.group_size > 1 else {}
-    start, rolled, updated, synced, validated = clock
+    processed = ran.get('prefill_tokens', 0) + ran.get('decode_tokens', 0)
     return {'step': step, **{k: metrics[k] for k in METRICS if k in metrics}, **({'actor/lr': lr} if metrics else {}),   # no update, no lr
             **{f'train/{k}': outcome[k] for k in ('success_rate', 'valid_action_rate', 'mean_turns')}, **groups, **val,
-            'rollout/engine': engine.name, 'timing/rollout': rolled - start, 'timing/update': updated - rolled,
-            'timing/sync': synced - updated, 'timing/validate': validated - synced,
-            'perf/rollout_tokens_per_s': sum(src == LLM for t in trajs for src in t.sources) / (rolled - start),
-            'perf/update_tokens_per_s': sum(map(len, kept)) * cfg.num_update_per_roll / (updated - rolled),
-            'timing/step': time.perf_counter() - start}
+            'rollout/engine': engine, **{f'timing/{k}': v for k, v in times.items()},
+            **({'timing/prefill': ran['prefill_s'], 'timing/decode': ran['decode_s'],
+                'perf/rollout_tokens_per_s': processed / times['rollout']} if processed else {}),
+            'perf/sampled_tokens_per_s': sum(src == LLM for t in everyone for src in t.sources) / times['rollout'],
+            'perf/update_tokens_per_s': sum(map(len, kept)) * cfg.num_update_per_roll / times['update'],
+            **({'perf/prefill_tokens': ran['prefill_tokens'], 'perf/decode_tokens': ran['decode_tokens']} if processed else {}),
+            **{k: metrics[k] for k in ('timing/backward', 'timing/optimizer', 'perf/backward_skipped', 'perf/forward_tokens') if k in metrics}}
 
 def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> dict:
     "Run PPO as `cfg` says, in this process or in each of `accelerate launch`'s (`argv`: the command line, for run.json); returns the run folder, steps done, the last metrics, the last checkpoint, the error that stopped it (None) and the actor."
     s = setup(cfg)
     procs, engine, checkpoint, best = s.procs, s.engine, s.checkpoint, s.best
     log, record, error, status = RunLog(s.run, cfg, s.done, s.main, argv), {}, None, 'stopped'   # run.json's status unless the loop ends
-    log.say(s.engine_line)
-    if cfg.bf16 and not torch.cuda.is_available() and cpu_has_bf16() is False:
-        log.say("warning: BF16=true on a CPU without bf16 instructions: bf16 is emulated here and slower than fp32", error=True)
+    for line in s.lines: log.say(line)   # the engine, the precision and the threads, and why
+    log.decided(s.local)
     bar = tqdm(range(s.done + 1, cfg.total_steps + 1), initial=s.done, total=cfg.total_steps, desc=cfg.experiment_name,
                disable=not (progress and s.main))
     try:
@@ -474,36 +548,43 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
             start = time.perf_counter(); val = _validate(engine, s.tok, s.seeds['val'], cfg)
             log.write({'step': 0, **val, 'timing/validate': time.perf_counter() - start, 'rollout/engine': engine.name})
         for step in bar:
-            # 1. Rollout: this process's whole room groups (a curriculum's easier episodes first, 13), then the variance filter (11)
-            clock, stage = [time.perf_counter()], cfg.at_step(step)
-            seeds = batch_seeds(s.seeds['train'], step, cfg.train_batch_size, cfg.seed, cfg.group_size)
-            moves_left, starts = _start_rooms(s.starts, seeds, step, stage.env_settings, cfg)   # with START_CURRICULUM, near the goal (12)
-            mine = slice(procs.rank * s.local.train_batch_size, (procs.rank + 1) * s.local.train_batch_size)
-            trajs = rollout(engine, s.tok, seeds[mine], stage.env_settings, stage.rollout_config(),
-                            seed=mixed_seed(cfg.seed, step * procs.world + procs.rank), rooms=starts and starts[mine])
-            kept, keep = filter_groups(trajs, cfg.group_size, cfg.rollout_filter_ratio, cfg.rollout_filter_strategy)
-            # 2. Score (old logprobs, values, advantages) and 3. update (PPO minibatches); the engine frees its memory meanwhile
-            clock.append(time.perf_counter()); lr = s.actor_opt.param_groups[0]['lr']
-            engine.before_update()
-            try:
-                b, metrics = score_batch(kept, s.actor, s.critic, s.local, s.tok.pad_token_id, s.ref, procs) if kept else (None, {})
-                if kept: metrics.update(ppo_update(b, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local, step=step, procs=procs))   # top_p may keep none
-            except FloatingPointError as e:
-                error = f"training stopped: {e} Nothing of step {step} was saved; the last checkpoint is {checkpoint}"
-                log.say(error, error=True); break
-            for schedule in s.schedules: schedule.step()
-            clock.append(time.perf_counter()); engine.after_update(s.policy); clock.append(time.perf_counter())
-            # 4. Validate, log, and keep a checkpoint (every SAVE_FREQ steps, the last, and with KEEP_BEST the one validation prefers)
-            val = {}
-            if cfg.test_freq and step % cfg.test_freq == 0:
-                if s.main: val = _validate(engine, s.tok, s.seeds['val'], cfg)
-                procs.wait()
-            clock.append(time.perf_counter())
-            record = _step_record(step, metrics, lr, trajs, kept, keep, val, clock, engine, cfg, procs)
-            if cfg.think: record.update(thought_metrics(procs.gather(trajs), s.tok, stage.max_response_length))   # 13
+            times, stage = {}, cfg.at_step(step)   # the seconds of each phase of this step
+            with _timed(times, 'step'):
+                # 1. Rollout: this process's whole room groups (a curriculum's easier episodes first, 13), then the variance filter (11)
+                with _timed(times, 'rollout'):
+                    seeds = batch_seeds(s.seeds['train'], step, cfg.train_batch_size, cfg.seed, cfg.group_size)
+                    moves_left, starts = _start_rooms(s.starts, seeds, step, stage.env_settings, cfg)   # with START_CURRICULUM, near the goal (12)
+                    mine = slice(procs.rank * s.local.train_batch_size, (procs.rank + 1) * s.local.train_batch_size)
+                    getattr(engine, 'stats', {}).clear()
+                    trajs = rollout(engine, s.tok, seeds[mine], stage.env_settings, stage.rollout_config(),
+                                    seed=mixed_seed(cfg.seed, step * procs.world + procs.rank), rooms=starts and starts[mine])
+                    ran = dict(getattr(engine, 'stats', {}))   # the rollout's own (DecodeEngine counts them, 14), before validation adds more
+                    kept, keep = filter_groups(trajs, cfg.group_size, cfg.rollout_filter_ratio, cfg.rollout_filter_strategy)
+                # 2. Score (old logprobs, values, advantages) and 3. update (PPO minibatches); the engine frees its memory meanwhile
+                lr = s.actor_opt.param_groups[0]['lr']
+                engine.before_update()
+                try:
+                    with _timed(times, 'update'):
+                        with _timed(times, 'score'):
+                            b, metrics = score_batch(kept, s.actor, s.critic, s.local, s.tok.pad_token_id, s.ref, procs, defer_old=True) if kept else (None, {})
+                        if kept: metrics.update(ppo_update(b, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local, step=step, procs=procs))   # top_p may keep none
+                    times['score'] += metrics.get('timing/score', 0.0)   # old logprobs the update scored before its first step
+                except FloatingPointError as e:
+                    error = f"training stopped: {e} Nothing of step {step} was saved; the last checkpoint is {checkpoint}"
+                    log.say(error, error=True); break
+                for schedule in s.schedules: schedule.step()
+                with _timed(times, 'sync'): engine.after_update(s.policy)
+                # 4. Validate, log, and keep a checkpoint (every SAVE_FREQ steps, the last, and with KEEP_BEST the one validation prefers)
+                val = {}
+                with _timed(times, 'validate'):
+                    if cfg.test_freq and step % cfg.test_freq == 0:
+                        if s.main: val = _validate(engine, s.tok, s.seeds['val'], cfg)
+                        procs.wait()
+                everyone, keep = procs.gather(trajs), procs.gather(keep)   # the whole batch, gathered once
+            record = _step_record(step, metrics, lr, everyone, kept, keep, val, times, ran, engine.name, cfg)
+            if cfg.think: record.update(thought_metrics(everyone, s.tok, stage.max_response_length))   # 13
             if s.starts:   # then the frontier moves, on the success of every process's episodes
-                solved = [t.success for t in procs.gather(trajs)]
-                record.update(s.starts.update(solved, moves_left, [len(solution(stage.env_settings, r)) for r in seeds]))
+                record.update(s.starts.update([t.success for t in everyone], moves_left, [len(solution(stage.env_settings, r)) for r in seeds]))
             log.write(record)
             drawn = kept[:cfg.log_n_image_per_batch]   # with each token's advantage, for the widget (20)
             log.trajectories(drawn, step, s.tok, {'advantage': [b.advantages[i, :len(t)].tolist() for i, t in enumerate(drawn)]} if kept else None)

@@ -102,7 +102,7 @@ def test_eval_takes_room_settings_from_the_environment(monkeypatch):
     (['MODEL=/nonexistent/model'], 'no model folder')])
 def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypatch, capsys):
     import ragen_nb.cli as cli
-    monkeypatch.setattr(cli, 'load_model', lambda *a, **k: pytest.fail('a model was loaded'))
+    monkeypatch.setattr(cli, 'load_policy', lambda *a, **k: pytest.fail('a model was loaded'))
     monkeypatch.setattr(cli, 'load_tokenizer', lambda *a, **k: pytest.fail('a tokenizer was loaded'))
     assert cli.main(['eval', 'BASE=none', *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -112,7 +112,7 @@ def test_eval_bad_arguments_fail_before_any_model_loads(args, message, monkeypat
 def test_eval_coordinates_reach_the_rollout_and_the_json(tmp_path, monkeypatch):
     import ragen_nb.cli as cli
     seen = []
-    monkeypatch.setattr(cli, '_engine', lambda name, kind, turn_cache=False: (None, None))
+    monkeypatch.setattr(cli, '_engine', lambda name, kind, turn_cache=False, bf16=False: (None, None))
     monkeypatch.setattr(cli, 'model_rows', lambda engine, tok, seeds, settings, cfg, *a: seen.append(cfg) or [])
     for flag in ([], ['COORDINATES=True']):
         out = tmp_path/f'eval{len(flag)}.json'

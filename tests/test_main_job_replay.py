@@ -1,9 +1,10 @@
 """The library's re-cuts change no number: the first steps of the main job, run now, equal a kept run of the main job.
 
-`data/runs/main-job-seed2` was written by the main job's recipe (SEED=2) on a 2-core AMD EPYC with AVX-512, on one torch
-thread. Its first `STEPS` steps are run again here, through the command line, with the same recipe, seed and thread
-count (read from its `run.json`), and every logged number but the timings must match to 1e-6: the rooms, the sampled
-answers, the advantages, the losses, the validation. Two metrics are sums over the whole vocabulary or every weight,
+`data/runs/main-job-seed2` was written by the main job's recipe of its day (SEED=2) on a 2-core AMD EPYC with AVX-512,
+on one torch thread. Its first `STEPS` steps are run again here, through the command line, with every setting and the
+thread count its `run.json` recorded (so a later recipe under the same name does not change what is replayed), and
+every logged number but the timings must match to 1e-6: the rooms, the sampled answers, the advantages, the losses,
+the validation. Two metrics are sums over the whole vocabulary or every weight,
 and their last digits depend on the CPU's vector units: on a 2-core AVX2 machine without AVX-512, `actor/entropy`
 differed by up to 1.5e-4 and `actor/grad_norm` by up to 1.6e-5, relative, while everything else matched to 1e-6.
 Those two are held to 1e-3, relative.
@@ -49,12 +50,13 @@ def test_the_comparison_catches_a_changed_number():
 
 def test_the_main_job_replays_its_kept_run(tmp_path):
     session = json.loads((KEPT_RUN/'run.json').read_text())['sessions'][0]
-    command = [sys.executable, '-m', 'ragen_nb.cli', 'train', 'RECIPE=main-job', f"SEED={session['settings']['seed']}", f'TOTAL_STEPS={STEPS}',
-               'SAVE_FREQ=0', 'LOG_IMAGES=False', f'OUTPUT_DIR={tmp_path}']
+    recorded = {k: v for k, v in session['settings'].items() if k not in ('experiment_name', 'output_dir', 'total_steps', 'save_freq', 'log_images')}
+    command = [sys.executable, '-m', 'ragen_nb.cli', 'train', *[f'{k.upper()}={v}' for k, v in recorded.items()], f'TOTAL_STEPS={STEPS}',
+               'SAVE_FREQ=0', 'LOG_IMAGES=False', f'OUTPUT_DIR={tmp_path}', 'EXPERIMENT_NAME=replay']
     threads = str(session['machine']['torch_threads'])   # a sum split over other threads rounds otherwise
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
     assert done.returncode == 0, done.stderr[-3000:]
-    now = [json.loads(l) for l in (tmp_path/'cpu-smollm2-135m'/'metrics.jsonl').read_text().splitlines()]
+    now = [json.loads(l) for l in (tmp_path/'replay'/'metrics.jsonl').read_text().splitlines()]
     kept = [json.loads(l) for l in KEPT.read_text().splitlines()][:STEPS + 1]
     assert [r['step'] for r in now] == list(range(STEPS + 1))
     wrong, compared = mismatches(now, kept)

@@ -330,8 +330,9 @@ def test_bf16_setting_reaches_the_step(tok, tiny_dir, tmp_path, monkeypatch):
     real = sft_module.sft_step
     monkeypatch.setattr(sft_module, 'sft_step', lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'bf16', 'TOTAL_STEPS=1', 'BF16=true')) == 0
-    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1')) == 0
-    assert seen == [True, False]
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1', 'BF16=false')) == 0
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'auto', 'TOTAL_STEPS=1')) == 0   # BF16=auto: as the CPU's flags say
+    assert seen == [True, False, bool(cpu_has_bf16())]
 
 
 @pytest.mark.parametrize('flags, native', [('fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni', True),   # Zen 4, Cooper Lake
@@ -347,11 +348,12 @@ def test_cpu_has_bf16_reads_the_cpu_flags(tmp_path, flags, native):
 
 @pytest.mark.parametrize('native, warns', [(False, True), (True, False), (None, False)])
 def test_bf16_on_a_cpu_without_bf16_instructions_warns(tiny_dir, tmp_path, monkeypatch, recwarn, native, warns):
-    monkeypatch.setattr(sft_module, 'cpu_has_bf16', lambda: native)
+    import ragen_nb.models as models
+    monkeypatch.setattr(models, 'cpu_has_bf16', lambda *a: native)
     assert sft_main(tiny_args(tiny_dir, tmp_path, 'bf16', 'TOTAL_STEPS=1', 'BF16=true')) == 0
     assert any('set BF16=false' in str(w.message) for w in recwarn) == warns
     recwarn.clear()
-    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1')) == 0   # fp32 never warns
+    assert sft_main(tiny_args(tiny_dir, tmp_path, 'fp32', 'TOTAL_STEPS=1', 'BF16=false')) == 0   # fp32 never warns
     assert not any('BF16' in str(w.message) for w in recwarn)
 
 

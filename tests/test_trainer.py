@@ -90,8 +90,14 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['HIGH_LEVEL_GAMMA=2'], 'high_level_gamma'),
     (['VAL_ROOMS=-1'], 'val_rooms'),
     (['LOG_MODE=tensorboard'], 'log_mode'),
-    (['RECOMPUTE_OLD_LOGPROBS=False'], 'ROLLOUT_ENGINE=hf'),           # 'auto' may sample with vLLM, whose logprobs differ
+    (['RECOMPUTE_OLD_LOGPROBS=False'], 'ROLLOUT_ENGINE=hf or decode'),  # 'auto' may sample with vLLM, whose logprobs differ
     (['RECOMPUTE_OLD_LOGPROBS=False', 'ROLLOUT_ENGINE=vllm'], 'recompute_old_logprobs'),
+    (['RECOMPUTE_OLD_LOGPROBS=maybe'], 'auto, true or false'),
+    (['BF16=yes'], 'auto, true or false'),
+    (['BF16=true', 'RECOMPUTE_OLD_LOGPROBS=false', 'ROLLOUT_ENGINE=decode'], 'RECOMPUTE_OLD_LOGPROBS=auto'),   # bf16 passes round apart
+    (['PACKED=True'], 'GCP=False'),
+    (['PACKED=True', 'GCP=False', 'SHARE_PREFIX=True'], 'SHARE_PREFIX=False'),
+    (['PACKED=True', 'GCP=False', 'CRITIC=shared'], 'shared critic'),
     (['SHARE_PREFIX=True'], 'GCP=False'),                                  # checkpointed layers keep no keys and values
     (['SHARE_PREFIX=True', 'GCP=False', 'N_GPUS=2'], 'N_GPUS=1'),
 ])
@@ -477,7 +483,7 @@ def test_sampler_logprobs_as_old_ones_give_the_recomputed_update_with_one_pass_l
     before = torch.cat([p.detach().flatten() for p in sampler.parameters()])
     recomputed, a, passes_a = update(True, trajs)
     sampled, b, passes_b = update(False, trajs)
-    assert (passes_a, passes_b) == (8, 4)                         # 4 micro-batches scored, then updated; or only updated
+    assert (passes_a, passes_b) == (6, 4)                         # the first minibatch's own pass scores it, the second's 2 scored apart
     assert (a - before).abs().max() > 1e-3                        # the update moved the actor
     torch.testing.assert_close(b, a, atol=1e-6, rtol=0)            # and both moved it alike
     assert recomputed['actor/clipfrac'] > 0 and recomputed['actor/clipfrac'] == pytest.approx(sampled['actor/clipfrac'])
@@ -517,7 +523,8 @@ TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX
             'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'VAL_ROOMS=8']   # DATA_DIR: the default, absent here
 # keys a step line holds only with some settings: the dual clip, the KL loss, sampled validation, room groups
 OPTIONAL = ({'actor/dual_clipfrac', 'actor/kl_loss', 'val/mi', 'val/mi_null', 'val/mi_null_std'}   # VAL_SAMPLES > 1 only
-            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/', 'think/', 'start/'))})   # THINK=True, START_CURRICULUM=True only
+            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/', 'think/', 'start/'))}   # THINK=True, START_CURRICULUM=True only
+            | {'timing/prefill', 'timing/decode', 'perf/prefill_tokens', 'perf/decode_tokens', 'perf/rollout_tokens_per_s'})   # ROLLOUT_ENGINE=decode only
 
 
 def run_args(tiny_dir, out, name, *extra):
@@ -863,7 +870,7 @@ def test_minibatches_are_whole_room_groups(tok, monkeypatch):
 
 def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp_path):
     from ragen_nb.models import load_model
-    steps = ['TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LORA_RANK=4', 'CRITIC=shared', 'KL_COEF=0.01', 'GCP=False']
+    steps = ['TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LORA_RANK=4', 'CRITIC=shared', 'KL_COEF=0.01', 'GCP=False', 'BF16=false']   # fp32: the merged actor equals the LoRA model to float rounding
     whole = train(Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps)), progress=False)
     ckpt = Path(whole['checkpoint'])
     assert sorted(p.name for p in ckpt.iterdir()) == ['actor', 'actor_lora', 'critic', 'settings.json', 'state.pt']
@@ -1070,3 +1077,49 @@ def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok
     assert all(r['timing/sync'] > 0 for r in steps)                          # the weights were pushed after each update
     # step 2 sampled from the engine synced after step 1: its logprobs are the trainer's, up to float error
     assert steps[1]['rollout/logprob_mismatch_kl'] < 1e-4 and steps[1]['actor/sampler_gap'] < 1e-2
+
+
+# --- speed: the fast paths compute what the plain ones do -------------------------------------------------------------
+def test_the_update_scores_its_first_minibatch_with_its_own_pass(tok, monkeypatch):
+    "Old logprobs the update recomputes (RECOMPUTE_OLD_LOGPROBS, no KL in the reward) come from the first minibatch's own forward and one scoring pass over the rest before the first optimizer step: the numbers scoring everything first gives."
+    args = ['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=2', 'GCP=False', 'PACKED=True', 'KL_COEF=0',
+            'ADV_ESTIMATOR=grpo', 'RECOMPUTE_OLD_LOGPROBS=true', 'NUM_UPDATE_PER_ROLL=2']
+    cfg, actor = Config.from_args(args), tiny_model(tok)
+    b, _ = score_batch(two_rooms(tok), actor, None, cfg, tok.pad_token_id, defer_old=True)
+    assert b.old_logprobs is None                                            # left to the update
+    upfront = trainer._score(actor, None, None, b, cfg)[0]                   # scoring everything first, as before
+    seen = spy(monkeypatch, '_old_metrics')
+    passes = spy(monkeypatch, 'policy_and_values')
+    metrics = trainer.ppo_update(b, actor, None, torch.optim.SGD(actor.parameters(), lr=1.0), None, cfg, step=0)
+    torch.testing.assert_close(seen[0][0].old_logprobs, upfront, atol=1e-6, rtol=0)
+    assert (actor.model.embed_tokens.weight - tiny_model(tok).model.embed_tokens.weight).abs().max() > 1e-4   # it did update
+    assert len(passes) == 1 + 1 + 1 + 2                                      # mb 1, the rest scored, mb 2; epoch 2: both
+    assert metrics['actor/sampler_gap'] == pytest.approx(masked_mean((upfront - b.sampled_logprobs).abs(), b.loss_mask).item(), abs=1e-6)
+    assert metrics['timing/score'] > 0
+
+
+def test_a_minibatch_whose_backward_is_skipped_still_steps_adamw(tok, monkeypatch):
+    "Advantages all 0 and no entropy term: no micro-batch runs its backward, and AdamW still steps as on zero gradients (weight decay)."
+    calls = spy(monkeypatch, 'backward', trainer.Processes)
+    cfg = Config.from_args(['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=2', 'PPO_BATCH_SIZE=4', 'MICRO_BATCH_SIZE=2', 'KL_COEF=0', 'ADV_ESTIMATOR=grpo',
+                            'ENTROPY_COEF=0', 'WEIGHT_DECAY=0.1', 'ACTOR_LR=0.5', 'LORA_RANK=4'])
+    trajs = two_rooms(tok)
+    for t in trajs: t.rewards = [0., 1.]                                     # every group ties: advantage 0 everywhere
+    actor = with_lora(tiny_model(tok), 4, 8)
+    before = {n: p.detach().clone() for n, p in actor.named_parameters() if p.requires_grad}
+    metrics = ppo_step(trajs, actor, None, *make_optimizers(actor, None, cfg), cfg, tok.pad_token_id)
+    assert len(calls) == 0                                                   # no backward ran
+    for n, p in actor.named_parameters():
+        if p.requires_grad: torch.testing.assert_close(p.detach(), before[n] * (1 - 0.5 * 0.1))   # AdamW on zero gradients: decay only
+
+
+@pytest.mark.parametrize('native', [True, False])
+def test_bf16_is_taken_only_where_the_cpu_has_it_and_run_json_says_which(tiny_dir, tmp_path, monkeypatch, capsys, native):
+    import ragen_nb.models as models
+    monkeypatch.setattr(models, 'cpu_has_bf16', lambda *a, **k: native)   # what /proc/cpuinfo would say
+    out = train(Config.from_args(run_args(tiny_dir, tmp_path, 'auto', 'TOTAL_STEPS=1', 'LORA_RANK=4', 'ROLLOUT_ENGINE=decode')), progress=False)
+    decided = json.loads((Path(out['run'])/'run.json').read_text())['sessions'][-1]['decided']
+    assert decided == {'bf16': native, 'recompute_old_logprobs': native}      # bf16's passes round apart: recomputed
+    assert f"precision: {'bf16' if native else 'fp32'} (BF16=auto; this CPU {'has' if native else 'has no'} bf16 instructions)" in capsys.readouterr().out
+    assert out['actor'].get_input_embeddings().weight.dtype == (torch.bfloat16 if native else torch.float32)
+    assert {p.dtype for n, p in out['actor'].named_parameters() if p.requires_grad} == {torch.float32}   # adapters and AdamW: fp32
