@@ -303,12 +303,15 @@ def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): w
              step: int = 0,  # training step, for the minibatch shuffle and error messages
              ref: nn.Module | None = None,  # frozen reference policy; required when cfg.kl_coef or cfg.kl_loss_coef > 0, unless the actor is LoRA
              procs: Processes | None = None,  # the other processes under `accelerate launch`; None: this one alone
-            ) -> dict[str, float]:
-    "One PPO iteration on `trajs`: `score_batch`, then `ppo_update`; the `METRICS` that apply."
+            ) -> tuple[dict[str, float], Batch]:
+    "One PPO iteration on `trajs`, the one `train` runs: `score_batch`, then `ppo_update`. Its `METRICS` that apply, with the seconds and tokens of its passes (`timing/score`: all scoring, the old logprobs the update scored before its first step included; `timing/backward`, `timing/optimizer`, `perf/…`), and the scored batch (its per-token advantages are what the widget draws)."
     if len(trajs) % cfg.group_size: raise ValueError(f"{len(trajs)} trajectories are not whole room groups of group_size={cfg.group_size}")
+    start = time.perf_counter()
     b, out = score_batch(trajs, actor, critic, cfg, pad_id, ref, procs, defer_old=True)
-    out.update(ppo_update(b, actor, critic, actor_opt, critic_opt, cfg, step, procs))
-    return {k: out[k] for k in METRICS if k in out}
+    scored = time.perf_counter() - start
+    out.update(ppo_update(b, actor, critic, actor_opt, critic_opt, cfg, step=step, procs=procs))
+    out['timing/score'] = scored + out.get('timing/score', 0.0)
+    return {k: out[k] for k in METRICS if k in out} | {k: v for k, v in out.items() if k.startswith(('timing/', 'perf/'))}, b
 
 # %% ../nbs/18_trainer.ipynb #aae35be7
 def make_optimizers(actor: nn.Module, critic: nn.Module | None, cfg: Config) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
@@ -461,7 +464,7 @@ class Setup:
     actor_opt: torch.optim.Optimizer
     critic_opt: torch.optim.Optimizer | None
     schedules: list           # the learning-rate schedule of each optimizer (`lr_schedule`), stepped once per training step
-    engine: object            # an Engine (04, 12): it samples the rollouts, and frees and refreshes what it holds around an update
+    engine: object            # an Engine (04, 14): it samples the rollouts, and frees and refreshes what it holds around an update
     lines: list[str]          # what the first screen says: the engine, the precision and the threads, and why
     checkpoint: Path | None   # the checkpoint resumed from (None: a fresh run)
     done: int                 # steps already done (the checkpoint's step; 0 for a fresh run)
@@ -550,7 +553,7 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
         for step in bar:
             times, stage = {}, cfg.at_step(step)   # the seconds of each phase of this step
             with _timed(times, 'step'):
-                # 1. Rollout: this process's whole room groups (a curriculum's easier episodes first, 13), then the variance filter (11)
+                # 1. Rollout: this process's whole room groups (a curriculum's easier episodes first, 12), then the variance filter (11)
                 with _timed(times, 'rollout'):
                     seeds = batch_seeds(s.seeds['train'], step, cfg.train_batch_size, cfg.seed, cfg.group_size)
                     moves_left, starts = _start_rooms(s.starts, seeds, step, stage.env_settings, cfg)   # with START_CURRICULUM, near the goal (12)
@@ -564,11 +567,9 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                 lr = s.actor_opt.param_groups[0]['lr']
                 engine.before_update()
                 try:
-                    with _timed(times, 'update'):
-                        with _timed(times, 'score'):
-                            b, metrics = score_batch(kept, s.actor, s.critic, s.local, s.tok.pad_token_id, s.ref, procs, defer_old=True) if kept else (None, {})
-                        if kept: metrics.update(ppo_update(b, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local, step=step, procs=procs))   # top_p may keep none
-                    times['score'] += metrics.get('timing/score', 0.0)   # old logprobs the update scored before its first step
+                    with _timed(times, 'update'):   # top_p may keep no group
+                        metrics, b = ppo_step(kept, s.actor, s.critic, s.actor_opt, s.critic_opt, s.local, s.tok.pad_token_id, step, s.ref, procs) if kept else ({}, None)
+                    times['score'] = metrics.get('timing/score', 0.0)
                 except FloatingPointError as e:
                     error = f"training stopped: {e} Nothing of step {step} was saved; the last checkpoint is {checkpoint}"
                     log.say(error, error=True); break
