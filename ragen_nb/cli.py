@@ -220,8 +220,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument('--output', default='data/sokoban', help='folder for train.parquet and test.parquet')
     d.add_argument('--seed', type=int, default=DEFAULT_SPLITS['seed'], help='first train seed; test seeds follow the train seeds')
     d.add_argument('--train_size', type=int, default=DEFAULT_SPLITS['train_size'], help='rooms in the train split')
-    d.add_argument('--test_size', type=int, default=DEFAULT_SPLITS['test_size'], help='rooms in the test split (`train` validates on the first VAL_ROOMS, '
-                   '`eval` judges on the first --n)')
+    d.add_argument('--test_size', type=int, default=DEFAULT_SPLITS['test_size'], help='rooms in the test split (`eval` judges on the first --n; '
+                   '`train` validates on the last VAL_ROOMS train rooms instead)')
     d.add_argument('--prefix', choices=TEMPLATES, default='qwen-instruct', help='prompt template of the stored prompts')
     d.add_argument('--model', default=EMBEDDED, help='model whose tokenizer renders the prompts')
     sub.add_parser('eval', add_help=False, help='judge a model against the untrained model and the baselines on held-out rooms; '

@@ -78,7 +78,7 @@ def gae_through_env(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Ten
 
 # %% ../nbs/07_gae.ipynb #52ec07b7
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, total=None) -> torch.Tensor:
-    "Scale `x` to mean 0 (kept if not `shift_mean`) and std 1 over masked positions only; 0 off the mask. `total` adds a sum up over processes (the trainer's `Processes.sum`, 16); none: the tokens here are all."
+    "Scale `x` to mean 0 (kept if not `shift_mean`) and std 1 over masked positions only; 0 off the mask. `total` adds a sum up over processes (the trainer's `Processes.sum`, 18); none: the tokens here are all."
     total = total or (lambda s: s)
     m = mask.bool()
     count = total(m.sum().double())
