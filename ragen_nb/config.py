@@ -212,6 +212,14 @@ CPU_RECIPES = {   # sized for a laptop CPU; `ragen_nb train-cpu` runs the main j
                   'FORMAT_PENALTY=-1', 'VAL_ROOMS=64', 'TEST_FREQ=8', 'KEEP_BEST=True', 'TOTAL_STEPS=48',
                   'SAVE_FREQ=4', 'ROLLOUT_ENGINE=decode', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8',
                   'LOG_N_IMAGE_PER_BATCH=2', 'EVAL_ROOMS=500'],
+    # the first 6×6 recipe, before START_CURRICULUM: 20 steps on the main job's rooms, then 4 at 6×6, fp32 (22 keeps its runs)
+    'ragen-6x6-first': ['EXPERIMENT_NAME=cpu-ragen-6x6-first', 'SEARCH_DEPTH=30', 'MAX_TURNS=5', 'MAX_STEPS=5', 'MAX_RESPONSE_LENGTH=8',
+                        'CURRICULUM_STEPS=20', 'CURRICULUM_SEARCH_DEPTH=4', 'CURRICULUM_MAX_TURNS=2',
+                        'TRAIN_BATCH_SIZE=64', 'GROUP_SIZE=4', 'PPO_BATCH_SIZE=32', 'MICRO_BATCH_SIZE=4', 'GCP=False',
+                        'SHARE_PREFIX=True', 'LORA_RANK=16', 'ADV_ESTIMATOR=maxrl', 'ACTOR_LR=5e-4', 'KL_COEF=0',
+                        'MEASURE_KL_REF=False', 'RECOMPUTE_OLD_LOGPROBS=False', 'BF16=False', 'FORMAT_PENALTY=-1',
+                        'VAL_ROOMS=64', 'TEST_FREQ=0', 'TOTAL_STEPS=24', 'SAVE_FREQ=4', 'ROLLOUT_ENGINE=hf',
+                        'TURN_CACHE=True', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=8', 'LOG_N_IMAGE_PER_BATCH=2'],
 }
 RECIPES = {**CPU_RECIPES, **RAGEN_RECIPES}
 

@@ -1,10 +1,10 @@
-"""Benchmark, not a test: a few PPO steps of the `ragen-6x6` recipe on a random-init model of a real model's shape.
+"""Benchmark, not a test: a few PPO steps of the `ragen-6x6-first` recipe on a random-init model of a real model's shape.
 
     python tests/bench_gpu_step.py [--shape qwen2.5-0.5b] [--steps 4] [--variants lora full] [--tokenizer DIR] [KEY=value ...]
 
 For a GPU machine with no model hub: it builds a model of the shape's size with random weights (what a step costs does
 not depend on what the weights know), saves it with a tokenizer (default: the embedded SmolLM2's, whose 49152 ids fit in
-the shape's vocabulary; sampled ids beyond them decode to nothing) and trains it with `RECIPE=ragen-6x6 CURRICULUM_STEPS=0`
+the shape's vocabulary; sampled ids beyond them decode to nothing) and trains it with `RECIPE=ragen-6x6-first CURRICULUM_STEPS=0`
 (RAGEN's setting from the first step: 6x6, SEARCH_DEPTH=30, 5 turns) for `--steps` steps per variant, in this process:
 `lora` is the recipe (LoRA rank 16), `full` trains every weight (LORA_RANK=0). A random policy rarely answers with an
 action, so its turns and tokens differ from a trained one's; the figures are throughput and memory, not learning.
@@ -41,7 +41,7 @@ def random_model(shape: str, tokenizer: str | None, folder: Path) -> Path:
 
 def run(name: str, model: Path, steps: int, extra: list[str], out: Path) -> dict:
     "One variant's training run; the median of each phase over steps 2..steps, and its peak memory."
-    cfg = Config.from_args(['RECIPE=ragen-6x6', 'CURRICULUM_STEPS=0', f'BASE_MODEL={model}', f'EXPERIMENT_NAME={name}',
+    cfg = Config.from_args(['RECIPE=ragen-6x6-first', 'CURRICULUM_STEPS=0', f'BASE_MODEL={model}', f'EXPERIMENT_NAME={name}',
                             f'OUTPUT_DIR={out}', f'TOTAL_STEPS={steps}', 'TEST_FREQ=0', 'SAVE_FREQ=0', 'LOG_IMAGES=False',
                             *VARIANTS[name], *extra])
     gpu = torch.cuda.is_available()
@@ -77,7 +77,7 @@ def main():
     if args.json: Path(args.json).write_text(json.dumps(dict(device=device, shape=args.shape, steps=args.steps, settings=args.settings,
                                                              results=results), indent=1))
     memory = 'GPU GB alloc/resv' if torch.cuda.is_available() else 'peak RSS GB'
-    print(f'\n{device}; random-init {args.shape}; RECIPE=ragen-6x6 CURRICULUM_STEPS=0{" " + " ".join(args.settings) if args.settings else ""}; '
+    print(f'\n{device}; random-init {args.shape}; RECIPE=ragen-6x6-first CURRICULUM_STEPS=0{" " + " ".join(args.settings) if args.settings else ""}; '
           f'median of steps 2-{args.steps}')
     print(f"{'variant':8s} {'rollout s':>9s} {'update s':>8s} {'step s':>6s} {'steps/s':>7s} {'LLM tok':>7s} {'rollout tok/s':>13s} "
           f"{'update tok/s':>12s} {'run s':>6s} {memory:>17s}")
