@@ -16,7 +16,7 @@ import torch
 from .sokoban import EnvSettings
 from .data import DEFAULT_SPLITS, SPLITS, TEMPLATES, curate, split_seeds
 from .models import EMBEDDED, cache_dir, check_model, default_dtype, load_tokenizer, resolve, use_bf16
-from .viz import read_jsonl
+from .data import read_jsonl
 from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format_moves, format_paired, format_table, heldout_seeds,
                                model_rows, turn_budget)
 from .engines import choose_engine, make_engine, vllm_available

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['TEMPLATES', 'RULES', 'ANSWER_ONLY', 'THINK_FIRST', 'SPLITS', 'COLUMNS', 'DEFAULT_SPLITS', 'SCHEMA', 'question',
            'positions', 'coordinates_line', 'first_message', 'observation_message', 'prefill', 'render_prompt',
-           'followup_text', 'room_row', 'split_seeds', 'curate', 'load_split']
+           'followup_text', 'room_row', 'split_seeds', 'curate', 'load_split', 'read_jsonl']
 
 # %% ../nbs/02_data.ipynb #d7877edb
-import dataclasses
+import dataclasses, json, warnings
 import numpy as np
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
@@ -173,3 +173,20 @@ def load_split(path, settings: EnvSettings | None = None) -> list[dict]:
                 raise ValueError(f"{path} was made with {got} but the run asks for {want}; {regen} "
                                  "and the run's settings, or change the settings")
     return rows
+
+# %% ../nbs/02_data.ipynb #a1fe5e1b
+def read_jsonl(path: str | Path) -> list[dict]:
+    "The records (JSON objects) of the JSONL file `path`, one per line. A last line cut short by a kill is left out with a warning; any other line that is not a JSON object is an error naming the file and the line."
+    path = Path(path)
+    if not path.exists(): raise FileNotFoundError(f'{path} does not exist')
+    lines, out = path.read_bytes().split(b'\n'), []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip(): continue
+        try: record = json.loads(raw.decode())
+        except ValueError: record = None   # not UTF-8, or not JSON
+        if not isinstance(record, dict):
+            if n == len(lines): warnings.warn(f'{path}, line {n}: unfinished last line left out'); break   # a process died writing it
+            raise ValueError(f'{path}, line {n}, is not a JSON record ({raw[:60]!r}): the file was edited or damaged; '
+                             'repair or delete that line')
+        out.append(record)
+    return out

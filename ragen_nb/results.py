@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .evaluate import format_by_length, format_moves, format_table
-from .viz import read_jsonl
+from .data import read_jsonl
 
 # %% ../nbs/22_results.ipynb #69e4b15e
 RUNS = Path(__file__).resolve().parents[1]/'data'/'runs' if '__file__' in globals() else Path('../data/runs')

@@ -17,7 +17,8 @@ import torch
 
 import ragen_nb
 from .tokens import Trajectory
-from .viz import read_jsonl, save_trajectory_images, write_rollouts
+from .data import read_jsonl
+from .viz import save_trajectory_images, write_rollouts
 from .starpo import collapsing, collapse_warning, plot_run
 from .config import Config, RAGEN_ENV_VARS
 from .checkpoint import BEST_FILE, save_checkpoint

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from .tokens import Trajectory
 from .advantages import room_groups, group_ids
 from .evaluate import room_action_mi
-from .viz import read_jsonl
+from .data import read_jsonl
 
 # %% ../nbs/11_starpo.ipynb #86716643
 def group_reward_std(trajs: list[Trajectory], group_size: int) -> np.ndarray:

@@ -11,7 +11,8 @@ from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, render_rgb
 from ragen_nb.rollout import rollout, ScriptedEngine, RolloutConfig
 from ragen_nb.viz import (write_rollouts, read_rollouts, read_records, find_room, first_room, rooms_before_after, room_rgb,
                           trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs,
-                          read_jsonl, small_image)
+                          small_image)
+from ragen_nb.data import read_jsonl
 from ragen_nb.starpo import plot_run, synthetic_metrics
 from ragen_nb.widget import token_strip, TrajectoryWidget
 
