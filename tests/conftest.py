@@ -15,3 +15,8 @@ def tiny_dir(tok, tmp_path_factory):
     d = tmp_path_factory.mktemp('tiny')
     tiny_model(tok).save_pretrained(d); tok.save_pretrained(d)
     return d
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "slow: a test that takes tens of seconds or minutes (whole runs, several processes, the real model's "
+                                       "rollouts, the main job's replay); `pytest -m 'not slow' tests/` leaves them out while you work, CI runs them all")

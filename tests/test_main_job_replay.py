@@ -14,6 +14,7 @@ same episodes as the AMD run for 19 steps; at step 20 one sampled token differed
 of the recipe (`22_results`). The first `STEPS` steps are short enough to stay equal on the machines tried.
 """
 import json, math, os, subprocess, sys
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,7 @@ def test_the_comparison_catches_a_changed_number():
         changed[step][key] *= factor
         assert len(mismatches(changed, kept)[0]) == 1, key
 
+@pytest.mark.slow
 def test_the_main_job_replays_its_kept_run(tmp_path):
     session = json.loads((KEPT_RUN/'run.json').read_text())['sessions'][0]
     recorded = {k: v for k, v in session['settings'].items() if k not in ('experiment_name', 'output_dir', 'total_steps', 'save_freq', 'log_images')}

@@ -220,6 +220,7 @@ def test_engine_stops_at_eos_with_pad_different_from_eos(tok, Engine):
         assert ids == full[:k] and len(lps) == len(ids)
 
 @ENGINES
+@pytest.mark.slow
 def test_engine_on_smollm_stops_where_the_cut_would_be(tok, Engine):
     "SmolLM2, 8 rows: with the stop off some run past their answer; with it on, every row is exactly its cut ids."
     model, env = smollm(), SokobanEnv(SETTINGS)
@@ -385,6 +386,7 @@ def test_rollout_never_breaks_a_limit(response, obs, extra, turns, reply):
             assert span.count(LLM) <= response and span.count(ENV) <= 1 + obs
 
 @ENGINES
+@pytest.mark.slow
 def test_rollout_deterministic_and_samples_groups_independently(tok, Engine):
     engine, cfg = Engine(tiny(), tok), RolloutConfig(max_turns=2, max_response_length=8)
     a = rollout(engine, tok, [3, 4, 3], SETTINGS, cfg, seed=11)
@@ -412,12 +414,14 @@ trajs = rollout(SharedPrefixEngine(tiny_model(tok), tok), tok, [3, 4], EnvSettin
 print(json.dumps([t.ids for t in trajs]))
 """
 
+@pytest.mark.slow
 def test_rollout_same_in_another_process(tok):
     here = rollout(SharedPrefixEngine(tiny(), tok), tok, [3, 4], SETTINGS, RolloutConfig(max_turns=2, max_response_length=8), seed=11)
     out = subprocess.run([sys.executable, '-c', SCRIPT], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [t.ids for t in here]
 
 @ENGINES
+@pytest.mark.slow
 def test_rollout_with_smollm(tok, Engine):
     "The real model for a short rollout: every invariant holds on real text."
     cfg = RolloutConfig(max_turns=2, max_response_length=16)

@@ -256,6 +256,7 @@ def test_rollout_config_is_trains(tok):
     assert Config.from_args(['COORDINATES=true']).rollout_config().coordinates and not Config().rollout_config().coordinates
 
 
+@pytest.mark.slow
 def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_path, monkeypatch):
     seen_batches = []
     real_collate = sft_module.collate

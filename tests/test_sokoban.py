@@ -49,8 +49,12 @@ def test_bad_settings_name_the_setting(kwargs, name):
     with pytest.raises(ValueError, match=name): SokobanEnv(EnvSettings(), **kwargs)
 
 
-def test_largest_box_count_that_fits_is_accepted():
-    EnvSettings(dim_x=6, dim_y=6, num_boxes=14)  # 4x4 interior: 14 boxes, the player and one free cell
+def test_the_box_limit_is_the_interior_less_the_player_and_one_free_cell():
+    "A 6x6 room has a 4x4 interior: 14 boxes fit beside the player and one free cell, 15 do not."
+    assert EnvSettings(dim_x=6, dim_y=6, num_boxes=14).num_boxes == 14
+    with pytest.raises(ValueError, match='num_boxes'): EnvSettings(dim_x=6, dim_y=6, num_boxes=15)
+    assert EnvSettings(dim_x=7, dim_y=6, num_boxes=18).num_boxes == 18   # 5x4 interior
+    with pytest.raises(ValueError, match='num_boxes'): EnvSettings(dim_x=7, dim_y=6, num_boxes=19)
 
 
 # ---- seeds ----------------------------------------------------------------------------------------------------

@@ -620,6 +620,7 @@ sys.exit(cli.train_main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp_path):
     env = {**os.environ, 'PYTHON': sys.executable}
     for k in RAGEN_ENV_VARS: env.pop(k, None)
@@ -992,6 +993,7 @@ import hashlib
 from transformers import AutoModelForCausalLM
 
 
+@pytest.mark.slow
 def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_path):
     args = run_args(tiny_dir, tmp_path, 'ddp', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2', 'ROLLOUT_FILTER_RATIO=0.5', 'PPO_BATCH_SIZE=4',
                     'TOTAL_STEPS=1', 'TEST_FREQ=1', 'SAVE_FREQ=1', 'GCP=False')
@@ -1022,6 +1024,7 @@ def uneven_batch(tok):
     return [episode(tok, w, r, i // 2) for i, (w, r) in enumerate(zip(words, [1., -1., 0.5, 2., -2., 0., 3., -0.5]))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('estimator', ['gae', 'brpo'])
 def test_two_processes_make_the_update_of_one(tok, tmp_path, estimator):
     "Token weights and whitening (GAE) or batch normalisation (BRPO) span both processes: the same update as one process."
@@ -1061,6 +1064,7 @@ def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tm
 
 # --- vLLM rollouts (14) -------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('eager', [False, True])
 def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok, tmp_path, monkeypatch, eager):
     pytest.importorskip('vllm', reason='vLLM is not installed: bash .ci/vllm')
