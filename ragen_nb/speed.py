@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .models import load_tokenizer
-from .viz import read_jsonl
+from .data import read_jsonl
 from .evaluate import model_rows
 from .engines import choose_engine, make_engine
 from .config import Config
@@ -118,7 +118,8 @@ def bench_before(code: str | Path, args: list[str], steps: int = 3, folder: str 
     if done.returncode: raise RuntimeError(f"the code at {code} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     later = [r for r in read_jsonl(folder/'before'/'metrics.jsonl') if r['step'] >= 2]
     rows = [_row(name, _median(later, f'timing/{name}')) for name in ('rollout', 'update', 'step')]
-    return dict(args=list(args), steps=steps, code=str(code), phases=rows, seconds=time.perf_counter() - start)
+    commit = subprocess.run(['git', '-C', str(code), 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip() or None
+    return dict(args=list(args), steps=steps, code=str(code), commit=commit, phases=rows, seconds=time.perf_counter() - start)
 
 def format_bench(result: dict, before: dict | None = None) -> str:
     "A bench result as a table, one line per phase: tokens, seconds, GFLOP, GFLOP/s and the share of the fp32 and bf16 rooflines; with `before`, the seconds of the phases it logged beside them."
