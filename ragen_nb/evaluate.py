@@ -162,7 +162,7 @@ def by_length(per_room: Sequence[float], lengths: Sequence[int | None]) -> dict[
     return out
 
 def baseline_rows(test_rooms: Sequence, train_rooms: Sequence, turns: int) -> list[dict]:
-    "Uniform random, best fixed sequence (chosen on `train_rooms`) and BFS optimum on `test_rooms` ((room_fixed, room_state) pairs) within `turns` moves."
+    "Uniform random, best fixed sequence (chosen on `train_rooms`) and BFS optimum on `test_rooms` ((room_fixed, room_state) pairs) within `turns` moves; each row's `per_room` success in `test_rooms`' order (uniform random's: the share of its sequences that solve the room, its expected success), for paired differences with a model's rows."
     if not len(test_rooms) or not len(train_rooms): raise ValueError('need at least one test room and one training room')
     test = np.stack([solve_steps(*room, turns) for room in test_rooms])          # (rooms, 4^turns) step solved at, 0: not
     train = np.stack([solve_steps(*room, turns) for room in train_rooms]) > 0
@@ -176,16 +176,17 @@ def baseline_rows(test_rooms: Sequence, train_rooms: Sequence, turns: int) -> li
     return [dict(policy='uniform random', episodes=len(test_rooms), **common, **_rates(random_play),
                  mean_turns=float(used.mean()), first_action_entropy=math.log(len(ACTIONS)),
                  distinct_first_actions=len(ACTIONS), by_length=by_length(random_play, lengths),
-                 note=f'exact: all {test.shape[1]} sequences of {turns}'),
+                 note=f'exact: all {test.shape[1]} sequences of {turns}', per_room=random_play.tolist()),
             dict(policy='best fixed sequence', episodes=len(test_rooms), **common, **_rates(fixed),
                  mean_turns=float(used[:, best].mean()), first_action_entropy=0.0, distinct_first_actions=1,
                  by_length=by_length(fixed, lengths),
-                 note=f"{', '.join(ACTIONS[a] for a in sequence)} ({train[:, best].mean():.3f} on {len(train_rooms)} training rooms)"),
+                 note=f"{', '.join(ACTIONS[a] for a in sequence)} ({train[:, best].mean():.3f} on {len(train_rooms)} training rooms)",
+                 per_room=fixed.astype(float).tolist()),
             dict(policy='BFS optimum', episodes=len(test_rooms), **common, **_rates(optimum),
                  mean_turns=float(np.mean([len(p) if p is not None else turns for p in plans])),
                  first_action_entropy=_entropy_of([p[0] if p else None for p in plans]),
                  distinct_first_actions=len({p[0] if p else None for p in plans}), by_length=by_length(optimum, lengths),
-                 note=f'solve(max_depth={turns})')]
+                 note=f'solve(max_depth={turns})', per_room=[float(x) for x in optimum])]
 
 # %% ../nbs/10_evaluate.ipynb #ccbae893
 def turn_budget(settings: EnvSettings, max_turns: int) -> int:
