@@ -1,6 +1,6 @@
 """The library's re-cuts change no number: the first steps of the main job, run now, equal a kept run of the main job.
 
-`data/runs/main-job-seed2` was written by the main job's recipe of its day (SEED=2) on a 2-core AMD EPYC with AVX-512,
+`data/runs/main-job-fp32-seed2` was written by the main job's recipe of its day (SEED=2) on a 2-core AMD EPYC with AVX-512,
 on one torch thread. Its first `STEPS` steps are run again here, through the command line, with every setting and the
 thread count its `run.json` recorded (so a later recipe under the same name does not change what is replayed), and
 every logged number but the timings must match to 1e-6: the rooms, the sampled answers, the advantages, the losses,
@@ -18,7 +18,7 @@ import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT_RUN = ROOT/'data'/'runs'/'main-job-seed2'
+KEPT_RUN = ROOT/'data'/'runs'/'main-job-fp32-seed2'
 KEPT = KEPT_RUN/'metrics.jsonl'
 STEPS = 5
 VOCAB_OR_WEIGHT_SUMS = {'actor/entropy': 1e-3, 'actor/grad_norm': 1e-3}   # relative tolerance, see above
