@@ -1,5 +1,5 @@
 "The tables of results are rendered from the kept run folders: `runs_table` on made-up runs, and the README's tables against it."
-import json, re
+import dataclasses, json, re
 from pathlib import Path
 
 import pytest
@@ -95,3 +95,45 @@ def test_the_readme_tables_are_the_results_tables():
         if base:   # the baselines rows come from the first run's eval table
             rendered += [r for r in baselines_table(runs[kept[0]]) if r['run'] in base]
         assert table.strip() == markdown(rendered, columns), 'the README table differs from runs_table: paste 22_results\' output'
+
+
+NAMED = re.compile(r'^(?P<recipe>.+?)(-from-sft)?(-gpu)?-seed\d+(-[\w-]+)?$')   # <recipe>[-from-sft][-gpu]-seed<N>[-<what>]
+
+def recipe_mismatch(folder: Path) -> str | None:
+    "Why the kept run in `folder`, named after a recipe, was not made by that recipe as it stands today; None when it was, or when its name names no recipe. A run the program recorded: its settings against the recipe's, beside what its command line set; a run recorded by hand: its `recipe` field."
+    from ragen_nb.config import Config, RECIPES
+    m = NAMED.match(folder.name)
+    if not m or m['recipe'] not in RECIPES: return None
+    name, run = m['recipe'], json.loads((folder/'run.json').read_text())
+    if 'sessions' not in run: return None if run.get('recipe') == name else f"{folder.name}: recorded by hand with recipe {run.get('recipe')!r}"
+    first = run['sessions'][0]
+    given = dict(a.split('=', 1) for a in first['argv'] if '=' in a and not a.startswith('-'))
+    used = given.pop('RECIPE', 'main-job' if 'train-cpu' in first['argv'] else None)
+    if used != name: return f'{folder.name}: made by RECIPE={used}'
+    today = Config.from_args([f'RECIPE={name}'])
+    def keys_of(recipe): return {k for a in RECIPES[recipe] for k in ([a.split('=', 1)[0]] if not a.startswith('RECIPE=') else keys_of(a[7:]))}
+    keys = keys_of(name) - set(given) - {'EXPERIMENT_NAME'}
+    recorded = first['settings']
+    differ = sorted(k for k in keys if recorded.get(k.lower()) != getattr(today, k.lower()))
+    return ('; '.join(f'{folder.name}: {k}={recorded.get(k.lower())!r}, where RECIPE={name} now sets {getattr(today, k.lower())!r}' for k in differ)
+            or None)
+
+
+def test_every_run_named_after_a_recipe_was_made_by_it():
+    "A kept folder called main-job-seed3 or ragen-6x6-first-gpu-seed1 holds a run of that recipe as the recipe stands today, so a reader who runs `RECIPE=<name>` gets what the folder shows."
+    wrong = [w for f in sorted(RUNS.iterdir()) if f.is_dir() and (w := recipe_mismatch(f))]
+    assert not wrong, 'runs named after a recipe that did not make them (rename them, or give their recipe its own name):\n' + '\n'.join(wrong)
+
+
+def test_the_recipe_check_finds_a_run_of_another_recipe(tmp_path):
+    "The check is not vacuous: a main-job run whose recorded settings differ from today's recipe, or made by another recipe, is found."
+    def run(name, argv, **changed):
+        from ragen_nb.config import Config
+        settings = {**dataclasses.asdict(Config.from_args(['RECIPE=main-job'])), **changed}
+        (tmp_path/name).mkdir(); (tmp_path/name/'run.json').write_text(json.dumps(dict(sessions=[dict(argv=argv, settings=settings)])))
+        return recipe_mismatch(tmp_path/name)
+    assert run('main-job-seed0', ['ragen_nb', 'train-cpu', 'SEED=0']) is None
+    assert run('main-job-seed1', ['ragen_nb', 'train-cpu', 'SEED=1', 'ACTOR_LR=1e-4'], actor_lr=1e-4) is None   # set on its command line
+    assert 'ROLLOUT_ENGINE' in run('main-job-seed2', ['ragen_nb', 'train-cpu'], rollout_engine='hf')
+    assert 'RECIPE=ragen-6x6' in run('main-job-seed3', ['ragen_nb', 'train', 'RECIPE=ragen-6x6'])
+    assert run('main-job-fp32-seed4', ['ragen_nb', 'train-cpu'], rollout_engine='hf') is None   # named after no recipe
