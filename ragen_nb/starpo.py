@@ -105,13 +105,14 @@ def stuck_share(record: dict) -> float | None:
     return None if same is None or solved is None else same * (1 - solved)
 
 def echo_trap(records: list[dict], at: float = STUCK_AT, steps: int = STUCK_STEPS) -> list[tuple[int, int]]:
-    "Step ranges of the echo trap: where the mean `stuck_share` of the last `steps` steps that logged it reaches `at`; each range starts at the first step, in the window that first reached it, that was itself that stuck."
+    "Step ranges of the echo trap: where the mean `stuck_share` of the last `steps` steps that logged it reaches `at`; each range starts at the first step, in the window that first reached it, that was itself that stuck. Ranges never share a step: a window that crosses again from a step inside the last range continues it."
     logged, out = [(r['step'], x) for r in records if (x := stuck_share(r)) is not None], []
     for i in range(steps - 1, len(logged)):
         window = logged[i - steps + 1:i + 1]
         if sum(x for _, x in window) / steps < at: continue
-        if out and out[-1][1] == logged[i - 1][0]: out[-1] = (out[-1][0], logged[i][0])   # the trap goes on
-        else: out.append((next(s for s, x in window if x >= at), logged[i][0]))
+        start = next(s for s, x in window if x >= at)
+        if out and (out[-1][1] == logged[i - 1][0] or start <= out[-1][1]): out[-1] = (out[-1][0], logged[i][0])   # the trap goes on
+        else: out.append((start, logged[i][0]))
     return out
 
 def collapsing(records: list[dict]) -> bool:

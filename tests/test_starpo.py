@@ -153,6 +153,8 @@ def test_echo_trap_is_a_trend_of_stuck_rooms_and_starts_at_its_first_stuck_step(
     trap = calm + [line(6, 0.9), line(7, 0.9), line(8, 0.9), line(9, 0.0), line(10, 0.0), line(11, 0.0), line(12, 0.7), line(13, 0.7)]
     assert echo_trap(trap) == [(6, 9), (12, 13)] and collapsing(trap) and not collapsing(trap[:-2])
     assert echo_trap([line(1, 0.9), {'step': 2, 'val/success_rate': 0.1}, line(3, 0.9), line(4, 0.9)]) == [(1, 4)]   # val lines skipped
+    back = [line(1, 0.9), line(2, 0.3), line(3, 0.5), line(4, 0.1), line(5, 0.9)]   # crosses at 3 (from 1), not at 4, again at 5 (from 3)
+    assert echo_trap(back) == [(1, 5)]                                                  # one range: no two ranges share step 3
     text = collapse_warning(trap[:8])
     assert text.startswith('the echo trap since step 6: over the last 3 steps, in 90% of rooms every rollout failed alike')
     assert 'training success 0.05, against 0.05 at its best' in text and '2 distinct first moves' in text and 'KEEP_BEST=True' in text
