@@ -9,7 +9,7 @@ from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.config import Config
 from ragen_nb.masking import ValueModel
 from ragen_nb.trainer import Processes, ppo_step
-from test_trainer import uneven_batch
+from tiny import uneven_batch
 
 out, *args = sys.argv[1:]
 acc = Accelerator(cpu=True)

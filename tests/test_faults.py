@@ -17,7 +17,7 @@ from ragen_nb.data import curate
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.sokoban import EnvSettings
 
-# the tiny run of test_trainer.py's kill-and-resume test, on a small curated dataset, drawing a rollout every step
+# the tiny run of test_checkpoint.py's kill-and-resume test, on a small curated dataset, drawing a rollout every step
 TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
             'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'TOTAL_STEPS=4', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'VAL_ROOMS=2',
             'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=1', 'LOG_N_IMAGE_PER_BATCH=1']

@@ -1,167 +1,30 @@
-"Trainer: settings and their checks, the critic's alignment and causality, and one PPO step on a tiny model."
+"Trainer: one PPO step and its estimators, clipping and KL; real rollouts; LoRA; the loop, room filter, several processes, vLLM, fast paths."
 import copy
 import dataclasses
+import hashlib
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import ragen_nb.advantages as advantages
-from ragen_nb.config import Config
-from ragen_nb.masking import ValueModel, forward_values
+import ragen_nb.trainer as trainer
+from ragen_nb.checkpoint import latest_checkpoint
+from ragen_nb.config import RAGEN_ENV_VARS, Config
 from ragen_nb.gae import gae, whiten
-from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
-from ragen_nb.models import load_tokenizer, tiny_model, with_lora
+from ragen_nb.masking import ValueModel, collate, forward_logprobs, forward_values, masked_mean, token_logprobs
+from ragen_nb.models import tiny_model, with_lora
 from ragen_nb.ppo import entropy_from_logits
-from ragen_nb.tokens import ENV, LLM, PROMPT, Trajectory
-from ragen_nb.trainer import METRICS, make_optimizers, ppo_step, score_batch
-
-README = dict(data_dir='data/sokoban', dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30, micro_batch_size=1,
-              train_batch_size=128, ppo_batch_size=64, max_start_length=400, max_response_length=100, max_obs_length=120,
-              max_turns=5, num_update_per_roll=1, gcp=True, n_gpus=1, rollout_tp_size=1, gamma=1.0, lam=1.0,
-              actor_lr=1e-6, critic_lr=1e-5, clip_ratio_low=0.2, clip_ratio_high=0.2, value_clip=0.5, entropy_coef=0.001, kl_coef=0.001,
-              temperature=1.0)
-
-
-def episode(tok, answer, reward, seed):
-    "Two LLM turns answering `answer`, env feedback between them, total reward `reward`."
-    t = Trajectory(seed=seed).add(tok.encode('Push the box onto the target.'), PROMPT, 0)
-    response = tok.encode(f'<answer>{answer}</answer>')
-    t.add(response, LLM, 1, [-1.0] * len(response)).add(tok.encode('\nState:\n#P_O#\n'), ENV, 1)
-    t.add(response, LLM, 2, [-1.0] * len(response))
-    t.rewards = [0., reward]
-    return t
-
-
-def cfg_for(n, **kw):
-    args = [f'TRAIN_BATCH_SIZE={n}', f'PPO_BATCH_SIZE={n}', f'MICRO_BATCH_SIZE={n}', 'KL_COEF=0']
-    return Config.from_args(args + [f'{k}={v}' for k, v in kw.items()])
-
-
-# --- Config ---------------------------------------------------------------------------------------------------------
-
-def test_defaults_are_ragens():
-    c = Config()
-    assert {k: getattr(c, k) for k in README} == README
-
-
-def test_from_args_converts_and_accepts_both_spellings():
-    c = Config.from_args(['DIM_X=7', 'dim_y=8', '--max-turns=3', 'GCP=false', 'gamma=0.99', 'LOG_MODE="[\'wandb\']"',
-                          'BASE_MODEL=Qwen/Qwen2.5-0.5B-Instruct', 'TRAIN_BATCH_SIZE=8', 'PPO_BATCH_SIZE=4'])
-    assert (c.dim_x, c.dim_y, c.max_turns, c.gcp, c.gamma, c.log_mode, c.base_model) == \
-        (7, 8, 3, False, 0.99, 'wandb', 'Qwen/Qwen2.5-0.5B-Instruct')
-    assert type(c.gamma) is float and type(c.dim_x) is int and c.gcp is False
-    assert Config.from_args(['GCP=1']).gcp is True
-    assert Config.from_args([]) == Config()
-
-
-@pytest.mark.parametrize('args, name', [
-    (['TRAIN_BACH_SIZE=8'], 'TRAIN_BACH_SIZE'),                      # unknown key
-    (['MAX_TURNS=five'], 'MAX_TURNS'),                               # not an int
-    (['ACTOR_LR=fast'], 'ACTOR_LR'),                                 # not a number
-    (['GCP=maybe'], 'GCP'),                                          # not a bool
-    (['DIM_X'], 'KEY=value'),                                        # no '='
-    (['PPO_BATCH_SIZE=48'], 'ppo_batch_size'),                       # 48 does not divide 128
-    (['PPO_BATCH_SIZE=4', 'MICRO_BATCH_SIZE=3'], 'micro_batch_size'),
-    (['MICRO_BATCH_SIZE=0'], 'micro_batch_size'),
-    (['N_GPUS=2', 'ROLLOUT_TP_SIZE=4'], 'rollout_tp_size'),
-    (['N_GPUS=2', 'ROLLOUT_TP_SIZE=2', 'ROLLOUT_ENGINE=vllm'], 'ROLLOUT_TP_SIZE=1'),
-    (['NUM_BOXES=0'], 'num_boxes'),                                  # checked by EnvSettings
-    (['DIM_X=2'], 'dim_x'),
-    (['GAMMA=1.5'], 'gamma'),
-    (['CLIP_RATIO_LOW=0'], 'clip_ratio_low'),
-    (['CLIP_RATIO_LOW=1'], 'clip_ratio_low'),                         # the ratio's floor would be 0
-    (['CLIP_RATIO_HIGH=-0.1'], 'clip_ratio_high'),
-    (['DUAL_CLIP=1'], 'dual_clip'),                                  # must be > 1 or 0 (off)
-    (['GROUP_SIZE=3'], 'group_size'),                                # 3 does not divide 128
-    (['GROUP_SIZE=0'], 'group_size'),
-    (['ROLLOUT_FILTER_RATIO=0.5'], 'GROUP_SIZE >= 2'),               # no group to rank
-    (['ROLLOUT_FILTER_RATIO=0'], 'rollout_filter_ratio'),
-    (['ROLLOUT_FILTER_RATIO=1.5'], 'rollout_filter_ratio'),
-    (['GROUP_SIZE=16', 'ROLLOUT_FILTER_RATIO=0.1'], 'keeps none'),   # floor(0.1 x 8 rooms) = 0
-    (['GROUP_SIZE=16', 'ROLLOUT_FILTER_RATIO=0.25'], 'PPO_BATCH_SIZE=32'),   # 32 kept, minibatches of 64: names the fix
-    (['ADV_ESTIMATOR=ppo'], 'adv_estimator'),
-    (['ADV_ESTIMATOR=grpo'], 'GROUP_SIZE >= 2'),                     # GRPO compares rollouts of one room
-    (['ADV_ESTIMATOR=maxrl'], 'GROUP_SIZE >= 2'),                    # so does MaxRL
-    (['ADV_ESTIMATOR=brpo', 'PER_TURN_REWARDS=True'], 'PER_TURN_REWARDS=False'),
-    (['ADV_ESTIMATOR=arpo', 'GROUP_SIZE=2'], 'KL_LOSS_COEF'),             # k1 penalties would rank tied groups by KL noise
-    (['KL_LOSS_COEF=0.01'], 'KL_COEF=0'),                            # KL in the reward and in the loss at once
-    (['KL_COEF=0', 'KL_LOSS_TYPE=mse'], 'kl_loss_type'),
-    (['HIGH_LEVEL_GAMMA=2'], 'high_level_gamma'),
-    (['VAL_ROOMS=-1'], 'val_rooms'),
-    (['LOG_MODE=tensorboard'], 'log_mode'),
-    (['RECOMPUTE_OLD_LOGPROBS=False'], 'ROLLOUT_ENGINE=hf or decode'),  # 'auto' may sample with vLLM, whose logprobs differ
-    (['RECOMPUTE_OLD_LOGPROBS=False', 'ROLLOUT_ENGINE=vllm'], 'recompute_old_logprobs'),
-    (['RECOMPUTE_OLD_LOGPROBS=maybe'], 'auto, true or false'),
-    (['BF16=yes'], 'auto, true or false'),
-    (['BF16=true', 'RECOMPUTE_OLD_LOGPROBS=false', 'ROLLOUT_ENGINE=decode'], 'RECOMPUTE_OLD_LOGPROBS=auto'),   # bf16 passes round apart
-    (['PACKED=True'], 'GCP=False'),
-    (['PACKED=True', 'GCP=False', 'SHARE_PREFIX=True'], 'SHARE_PREFIX=False'),
-    (['PACKED=True', 'GCP=False', 'CRITIC=shared'], 'shared critic'),
-    (['SHARE_PREFIX=True'], 'GCP=False'),                                  # checkpointed layers keep no keys and values
-    (['SHARE_PREFIX=True', 'GCP=False', 'N_GPUS=2'], 'N_GPUS=1'),
-])
-def test_bad_settings_name_the_setting(args, name):
-    with pytest.raises(ValueError, match=name): Config.from_args(args)
-
-
-def test_from_env_reads_only_ragens_variables_and_args_win():
-    from ragen_nb.config import RAGEN_ENV_VARS
-    environ = {'DIM_X': '7', 'LOG_MODE': "['wandb']", 'GCP': 'False', 'TRAIN_BATCH_SIZE': '32', 'PPO_BATCH_SIZE': '16',
-               'SEED': '5', 'GAMMA': '0.5', 'HOME': '/root'}
-    c = Config.from_env(['PPO_BATCH_SIZE=8'], environ=environ)
-    assert (c.dim_x, c.log_mode, c.gcp, c.train_batch_size, c.ppo_batch_size, c.seed, c.gamma) == \
-        (7, 'wandb', False, 32, 8, 0, 1.0)
-    assert len(RAGEN_ENV_VARS) == 20 and all(hasattr(c, k.lower()) for k in RAGEN_ENV_VARS)
-    assert set(RAGEN_ENV_VARS) == {'DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'BASE_MODEL',
-                                   'EXPERIMENT_NAME', 'MICRO_BATCH_SIZE', 'TRAIN_BATCH_SIZE', 'PPO_BATCH_SIZE', 'MAX_START_LENGTH',
-                                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS', 'NUM_UPDATE_PER_ROLL', 'LOG_MODE', 'GCP',
-                                   'N_GPUS', 'ROLLOUT_TP_SIZE'}   # RAGEN's exported variables, as before the re-cut
-    with pytest.raises(ValueError, match='MAX_TURNS'): Config.from_env(environ={'MAX_TURNS': 'x'})
-
-
-def test_direct_construction_is_checked_too():
-    with pytest.raises(ValueError, match='train_batch_size'): Config(train_batch_size='8')
-    with pytest.raises(ValueError, match='ppo_batch_size'): Config(train_batch_size=10, ppo_batch_size=4)
-
-
-# --- ValueModel -----------------------------------------------------------------------------------------------------
-
-def test_values_read_from_previous_position_and_are_causal(tok):
-    actor = tiny_model(tok)
-    critic = ValueModel.from_causal_lm(actor, seed=1)
-    ids = torch.randint(0, len(tok), (3, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        v = critic(ids)
-        hidden = actor.model(input_ids=ids).last_hidden_state          # the actor's trunk = the critic's at the start
-        expected = hidden @ critic.head.weight[0] + critic.head.bias    # independent head application
-    assert v.shape == (3, 10) and v.dtype == torch.float32
-    assert torch.equal(v[:, 0], torch.zeros(3))
-    torch.testing.assert_close(v[:, 1:], expected[:, :-1], atol=1e-6, rtol=1e-5)
-    for t in range(1, 10):
-        changed = ids.clone()
-        changed[:, t:] = torch.randint(0, len(tok), changed[:, t:].shape, generator=torch.Generator().manual_seed(t))
-        with torch.no_grad(): w = critic(changed)
-        torch.testing.assert_close(w[:, :t + 1], v[:, :t + 1], atol=1e-6, rtol=1e-5)
-        if t + 1 < 10: assert (w[:, t + 1] - v[:, t + 1]).abs().min() > 1e-7   # token t is in the state of token t+1
-
-
-def test_critic_is_an_independent_copy_of_the_actor_trunk(tok, tmp_path):
-    actor = tiny_model(tok)
-    critic = ValueModel.from_causal_lm(actor)
-    with torch.no_grad(): critic.trunk.embed_tokens.weight.add_(1.)
-    assert not torch.equal(critic.trunk.embed_tokens.weight, actor.model.embed_tokens.weight)
-    actor.save_pretrained(tmp_path)
-    loaded = ValueModel.from_pretrained(str(tmp_path), device='cpu')
-    for k, p in actor.model.state_dict().items(): assert torch.equal(loaded.trunk.state_dict()[k], p), k
-    assert torch.equal(loaded.head.weight, ValueModel.from_causal_lm(actor).head.weight)   # same seed, same head
-
-
-def test_forward_values_zero_on_padding(tok):
-    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down now please', -1., 1)]
-    b = collate(trajs, tok.pad_token_id)
-    with torch.no_grad(): v = forward_values(ValueModel.from_causal_lm(tiny_model(tok)), b)
-    assert (v[b.attention_mask == 0] == 0).all() and (v[b.attention_mask == 1][1:] != 0).any()
+from ragen_nb.tokens import LLM, PROMPT, Trajectory
+from ragen_nb.trainer import METRICS, TRAIN_METRICS, batch_seeds, make_optimizers, ppo_step, room_seeds, score_batch, train
+from tiny import ROOT, cfg_for, episode, read_metrics, run_args, uneven_batch, untimed
 
 
 # --- ppo_step -------------------------------------------------------------------------------------------------------
@@ -269,10 +132,6 @@ def test_kl_coef_needs_a_reference(tok):
 
 
 # --- estimators, clipping, the KL loss -------------------------------------------------------------------------------
-import numpy as np
-
-import ragen_nb.trainer as trainer
-
 
 def two_rooms(tok):
     "Two rooms x two rollouts, in groups: room 0 scores 1 and -1, room 1 scores 2 and 2; every turn carries a reward."
@@ -385,63 +244,6 @@ def test_per_turn_rewards_put_each_turn_reward_on_its_turn(tok, monkeypatch):
     assert (calls[0][0] != 0).sum(-1).tolist() == [1, 1, 1, 1]
 
 
-# --- checkpoints ----------------------------------------------------------------------------------------------------
-
-def test_resume_from_checkpoint_matches_an_uninterrupted_run(tok, tmp_path):
-    from ragen_nb.models import load_model
-    from ragen_nb.checkpoint import load_training_state, save_checkpoint
-    trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
-    cfg = cfg_for(2, ACTOR_LR=1e-3, CRITIC_LR=1e-3)
-    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
-    opts = make_optimizers(actor, critic, cfg)
-    ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=0)
-    path = save_checkpoint(tmp_path, 1, actor, tok, critic, *opts, config=dataclasses.asdict(cfg))
-    assert torch.load(path/'state.pt', weights_only=False)['config'] == dataclasses.asdict(cfg)
-    assert (path/'actor'/'tokenizer.json').exists()
-    expected_rand = torch.rand(3)
-    ppo_step(trajs, actor, critic, *opts, cfg, tok.pad_token_id, step=1)
-    vec = torch.nn.utils.parameters_to_vector
-
-    def resumed(restore):
-        a, c = load_model(str(path), device='cpu'), ValueModel.from_pretrained(str(path), device='cpu')
-        o = make_optimizers(a, c, cfg)
-        if restore: assert load_training_state(path, *o) == 1
-        ppo_step(trajs, a, c, *o, cfg, tok.pad_token_id, step=1)
-        return a, c
-
-    a, c = resumed(True)
-    assert torch.equal(torch.rand(3), expected_rand)                      # RNG restored
-    torch.testing.assert_close(vec(a.parameters()), vec(actor.parameters()), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vec(c.parameters()), vec(critic.parameters()), atol=1e-6, rtol=1e-5)
-    a, _ = resumed(False)                                                 # without Adam's state the run diverges
-    assert (vec(a.parameters()) - vec(actor.parameters())).abs().max() > 1e-4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_1']
-
-
-def test_save_is_atomic_and_replaces(tok, tmp_path, monkeypatch):
-    from ragen_nb.checkpoint import STATE_FILE, load_training_state, save_checkpoint
-    cfg = cfg_for(2)
-    actor = tiny_model(tok); critic = ValueModel.from_causal_lm(actor)
-    opts = make_optimizers(actor, critic, cfg)
-    start = save_checkpoint(tmp_path/'start', 0, actor, critic=critic)       # no optimizer: a start, not a resume point
-    assert sorted(p.name for p in start.iterdir()) == ['actor', 'critic']
-    path = save_checkpoint(tmp_path, 5, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])
-    assert (path/'actor'/'config.json').exists() and (path/'critic'/'value_head.safetensors').exists()
-    with torch.no_grad(): actor.lm_head.weight.add_(1.)
-    def boom(*a, **k): raise OSError('disk full')
-    monkeypatch.setattr(torch, 'save', boom)
-    with pytest.raises(OSError, match='disk full'):
-        save_checkpoint(tmp_path, 6, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5', 'start']   # no global_step_6, no temp folder
-    monkeypatch.undo()
-    save_checkpoint(tmp_path, 5, actor, critic=critic, actor_opt=opts[0], critic_opt=opts[1])   # overwrite in place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['global_step_5', 'start']
-    from ragen_nb.models import load_model
-    torch.testing.assert_close(load_model(str(path), device='cpu').lm_head.weight, actor.lm_head.weight)
-    (path/STATE_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match='save_checkpoint'): load_training_state(path, *opts)
-
-
 # --- with the rollout -----------------------------------------------------------------------------------------------
 
 def test_rollout_config_matches_ragen_limits():
@@ -505,41 +307,6 @@ def test_the_reference_pass_runs_only_where_a_kl_or_the_metric_needs_it(tok, mon
 
 # --- the training loop ----------------------------------------------------------------------------------------------
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import ragen_nb.trainer as trainer
-import ragen_nb.runlog as runlog
-from ragen_nb.checkpoint import latest_checkpoint
-from ragen_nb.cli import train_main
-from ragen_nb.config import RAGEN_ENV_VARS
-from ragen_nb.trainer import TRAIN_METRICS, batch_seeds, room_seeds, train
-from ragen_nb.viz import read_records
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY_RUN = ['TRAIN_BATCH_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=1', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=6',
-            'ACTOR_LR=1e-3', 'CRITIC_LR=1e-3', 'ROLLOUT_ENGINE=hf', 'VAL_ROOMS=8']   # DATA_DIR: the default, absent here
-# keys a step line holds only with some settings: the dual clip, the KL loss, sampled validation, room groups
-OPTIONAL = ({'actor/dual_clipfrac', 'actor/kl_loss', 'val/mi', 'val/mi_null', 'val/mi_null_std'}   # VAL_SAMPLES > 1 only
-            | {k for k in TRAIN_METRICS if k.startswith(('filter/', 'collapse/', 'think/', 'start/'))}   # THINK=True, START_CURRICULUM=True only
-            | {'timing/prefill', 'timing/decode', 'perf/prefill_tokens', 'perf/decode_tokens', 'perf/rollout_tokens_per_s'})   # ROLLOUT_ENGINE=decode only
-
-
-def run_args(tiny_dir, out, name, *extra):
-    return [f'BASE_MODEL={tiny_dir}', f'OUTPUT_DIR={out}', f'EXPERIMENT_NAME={name}', *TINY_RUN, *extra]
-
-
-def read_metrics(run):
-    return [json.loads(l) for l in (Path(run)/'metrics.jsonl').read_text().splitlines()]
-
-
-def untimed(record):
-    return {k: v for k, v in record.items() if not k.startswith(('timing/', 'perf/'))}
-
-
 def test_batch_seeds_cover_each_epoch_once_and_depend_on_the_step_only():
     seeds = list(range(100, 107))
     flat = sum((batch_seeds(seeds, k, 3, seed=5) for k in range(1, 8)), [])    # 21 = 3 epochs of 7
@@ -562,12 +329,6 @@ def test_room_seeds_read_the_curated_files_and_check_their_settings(tok, tmp_pat
         room_seeds(Config(data_dir=str(tmp_path/'none')))                   # is an error, not a run on other rooms
 
 
-def test_log_mode_takes_ragens_list_spelling():
-    assert Config.from_args(["LOG_MODE=['console','wandb']"]).log_mode == 'console,wandb'
-    assert Config.from_args(['LOG_MODE=wandb, console']).log_mode == 'wandb,console'
-    with pytest.raises(ValueError, match='log_mode'): Config.from_args(['LOG_MODE=console,tensorboard'])
-
-
 def test_gradient_checkpointing_leaves_the_update_unchanged(tok):
     trajs = [episode(tok, 'Up', 1., 0), episode(tok, 'Down', -1., 1)]
     cfg = cfg_for(2, ACTOR_LR=1e-3, CRITIC_LR=1e-3)
@@ -580,116 +341,6 @@ def test_gradient_checkpointing_leaves_the_update_unchanged(tok):
         after.append(torch.nn.utils.parameters_to_vector(list(actor.parameters()) + list(critic.parameters())))
     assert actor.model.gradient_checkpointing
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
-
-
-def test_keep_steps_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path):
-    path = tmp_path/'metrics.jsonl'
-    path.write_text(''.join(json.dumps({'step': s, 'x': s / 3}) + '\n' for s in (1, 2, 3)) + '{"step": 4, "x')
-    with pytest.warns(UserWarning, match=r'metrics\.jsonl, line 4: unfinished last line left out'): runlog.keep_steps(path, 2)
-    with path.open('a') as f: f.write(json.dumps({'step': 3, 'x': -1}) + '\n')
-    assert read_metrics(tmp_path) == [{'step': 1, 'x': 1 / 3}, {'step': 2, 'x': 2 / 3}, {'step': 3, 'x': -1}]
-    runlog.keep_steps(tmp_path/'absent.jsonl', 2)
-    assert not (tmp_path/'absent.jsonl').exists()
-
-
-
-def test_keep_steps_keeps_nothing_without_a_checkpoint_and_refuses_garbage_mid_file(tmp_path):
-    "A run resumed without a checkpoint starts over, step-0 validation included, so even step 0's line goes; a bad line that is not the last one is an error and the file stays as it was."
-    path = tmp_path/'metrics.jsonl'
-    path.write_text(''.join(json.dumps({'step': s}) + '\n' for s in (0, 1)))
-    runlog.keep_steps(path, 0)
-    assert path.read_text() == ''
-    damaged = json.dumps({'step': 1}) + '\nnot json\n' + json.dumps({'step': 2}) + '\n'
-    path.write_text(damaged)
-    with pytest.raises(ValueError, match='line 2, is not a JSON record'): runlog.keep_steps(path, 2)
-    assert path.read_text() == damaged
-    stepless = json.dumps({'step': 1}) + '\n' + json.dumps({'x': 1}) + '\n'     # JSON, but no step: edited or damaged too
-    path.write_text(stepless)
-    with pytest.raises(ValueError, match='record 2, has no step'): runlog.keep_steps(path, 2)
-    assert path.read_text() == stepless
-
-CRASH = """
-import os, sys
-import ragen_nb.runlog as runlog, ragen_nb.cli as cli
-real = runlog.save_checkpoint                # what RunLog.checkpoint calls
-def save_then_die(folder, step, *args, **kwargs):
-    if step == 2: os._exit(17)              # killed after writing step 2's metrics, before its checkpoint
-    return real(folder, step, *args, **kwargs)
-runlog.save_checkpoint = save_then_die
-sys.exit(cli.train_main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(tiny_dir, tmp_path):
-    env = {**os.environ, 'PYTHON': sys.executable}
-    for k in RAGEN_ENV_VARS: env.pop(k, None)
-    steps = ['TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=2', 'LOG_IMAGES=True', 'LOG_IMAGE_STEP_SIZE=1',
-             'LOG_N_IMAGE_PER_BATCH=1', f'LOG_IMAGE_DIR={tmp_path/"img"}']
-    # the uninterrupted run, through train.sh
-    done = subprocess.run(['bash', str(ROOT/'train.sh'), *run_args(tiny_dir, tmp_path, 'whole', *steps)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    whole = read_metrics(tmp_path/'whole')
-    assert [r['step'] for r in whole] == [0, 1, 2, 3] and set(whole[2]) == set(TRAIN_METRICS) - OPTIONAL   # 0: validation only
-    assert latest_checkpoint(tmp_path/'whole').name == 'global_step_3'
-    # the same run, killed hard in step 2: the line of step 2 is written, its checkpoint is not
-    crashed = subprocess.run([sys.executable, '-c', CRASH, *run_args(tiny_dir, tmp_path, 'crash', *steps)], env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert crashed.returncode == 17, crashed.stderr[-3000:]
-    cut = read_metrics(tmp_path/'crash')
-    assert [r['step'] for r in cut] == [0, 1, 2] and latest_checkpoint(tmp_path/'crash').name == 'global_step_1'
-    # reproducibility: same seed, another process, same numbers
-    assert [untimed(r) for r in cut] == [untimed(r) for r in whole[:3]]
-    # resumed: step 2 is redone from global_step_1 and the file continues as if nothing happened
-    assert train_main(run_args(tiny_dir, tmp_path, 'crash', *steps, 'RESUME=True')) == 0
-    resumed = read_metrics(tmp_path/'crash')
-    assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
-    assert resumed[:2] == cut[:2]                                            # the lines up to the checkpoint are intact
-    # rollouts.jsonl too: step 2's trajectory, drawn before the kill, is replaced by the redone step's, not doubled
-    drawn = {run: [(r['step'], r['trajectory']) for r in read_records(tmp_path/run/'rollouts.jsonl')] for run in ('whole', 'crash')}
-    assert [step for step, _ in drawn['whole']] == [1, 2, 3] and drawn['crash'] == drawn['whole']
-    from safetensors.torch import load_file
-    a, b = (load_file(tmp_path/run/'global_step_3'/'actor'/'model.safetensors') for run in ('whole', 'crash'))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_thinking_run_logs_its_thoughts(tiny_dir, tmp_path):
-    "THINK=True: every step line holds the think/ metrics of 13, and the tiny model, which never closes a thought, is in R1's format on no turn."
-    train(Config.from_args(run_args(tiny_dir, tmp_path, 'think', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'THINK=True', 'MAX_RESPONSE_LENGTH=12')), progress=False)
-    steps = [r for r in read_metrics(tmp_path/'think') if r['step'] >= 1]
-    assert len(steps) == 2 and all({k for k in TRAIN_METRICS if k.startswith('think/')} <= set(r) for r in steps)
-    assert all(r['think/format'] == 0 and r['train/valid_action_rate'] == 0 and r['think/tokens'] > 0 for r in steps)
-
-
-def test_the_last_step_is_saved_even_off_the_save_frequency(tiny_dir, tmp_path):
-    done = train(Config.from_args(run_args(tiny_dir, tmp_path, 'last', 'TOTAL_STEPS=3', 'SAVE_FREQ=2', 'TEST_FREQ=0')), progress=False)
-    assert [p.name for p in sorted((tmp_path/'last').glob('global_step_*'))] == ['global_step_2', 'global_step_3']
-    assert Path(done['checkpoint']).name == 'global_step_3' and latest_checkpoint(tmp_path/'last').name == 'global_step_3'
-    train(Config.from_args(run_args(tiny_dir, tmp_path, 'never', 'TOTAL_STEPS=1', 'SAVE_FREQ=0', 'TEST_FREQ=0')), progress=False)
-    assert not list((tmp_path/'never').glob('global_step_*'))              # SAVE_FREQ=0 still saves nothing
-
-
-def test_a_new_run_refuses_a_used_folder(tiny_dir, tmp_path, capsys):
-    (tmp_path/'used').mkdir(); (tmp_path/'used'/'metrics.jsonl').write_text('')
-    assert train_main(run_args(tiny_dir, tmp_path, 'used')) == 2
-    assert 'RESUME=True' in capsys.readouterr().err
-
-
-def test_nonfinite_step_stops_and_saves_nothing_of_it(tiny_dir, tmp_path, monkeypatch):
-    real = trainer.ppo_update
-    def nan_at_step_2(b, *args, **kwargs):
-        if kwargs['step'] == 2: raise FloatingPointError('step 2: non-finite loss (pg_loss=nan, vf_loss=nan).')
-        return real(b, *args, **kwargs)
-    monkeypatch.setattr(trainer, 'ppo_update', nan_at_step_2)
-    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0'))
-    out = train(cfg, progress=False)
-    assert out['steps'] == 1 and 'step 2' in out['error'] and out['checkpoint'].endswith('global_step_1')
-    assert [r['step'] for r in read_metrics(out['run'])] == [1]
-    assert sorted(p.name for p in Path(out['run']).iterdir()) == ['curves.png', 'global_step_1', 'metrics.jsonl', 'run.json']
-    assert json.loads((Path(out['run'])/'run.json').read_text())['sessions'][0]['status'] == 'failed'
-    assert train_main(run_args(tiny_dir, tmp_path, 'nan', 'TOTAL_STEPS=3', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'KL_COEF=0',
-                               'RESUME=True')) == 1
 
 
 def test_the_turn_cache_is_forgotten_before_each_update(tiny_dir, tmp_path, monkeypatch):
@@ -709,49 +360,7 @@ def test_the_turn_cache_is_forgotten_before_each_update(tiny_dir, tmp_path, monk
     assert all(n > 0 for phase, n in held if phase == 'rollout') and all(n == 0 for phase, n in held if phase == 'update')
 
 
-def test_a_broken_wandb_warns_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatch):
-    class Broken:
-        def init(self, **kwargs): raise RuntimeError('no wandb here')
-    monkeypatch.setitem(sys.modules, 'wandb', Broken())
-    cfg = Config.from_args(run_args(tiny_dir, tmp_path, 'wb', 'TOTAL_STEPS=1', 'SAVE_FREQ=0', 'TEST_FREQ=0', 'LOG_MODE=wandb'))
-    with pytest.warns(UserWarning, match='wandb did not start'): out = train(cfg, progress=False)
-    assert out['error'] is None and len(read_metrics(out['run'])) == 1
-
-
-def test_help_lists_every_setting_with_default_and_env_var(capsys):
-    from ragen_nb.config import RECIPES
-    assert train_main(['--help']) == 0
-    text = capsys.readouterr().out
-    assert text == Config.help() + '\n'
-    for f in dataclasses.fields(Config): assert f'{f.name.upper()}={f.default}' in text
-    n = len(dataclasses.fields(Config))
-    lines = text.splitlines()
-    settings = lines[2:2 + n]                                                # then the recipes, after a blank line
-    assert all(l.startswith('  ') and len(l.split(None, 1)) == 2 for l in settings)   # each has a doc
-    assert [l.split('=', 1)[0].strip() for l in settings] == [f.name.upper() for f in dataclasses.fields(Config)]
-    assert lines[2 + n] == '' and lines[3 + n].startswith('RECIPE=name')
-    assert lines[4 + n:] == [f'  {name}: {" ".join(args)}' for name, args in RECIPES.items()]   # every recipe, in full
-    assert 'TRAIN_BATCH_SIZE=128' in text and '[env TRAIN_BATCH_SIZE]' in text and '[env SEED]' not in text
-    assert train_main(['TRAIN_BACH_SIZE=8']) == 2
-
-
-# --- the shared critic and LoRA ----------------------------------------------------------------------------------------
-
-def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
-    from ragen_nb.masking import policy_and_values
-    actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
-    b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
-    logprobs, entropies, values = policy_and_values(actor, critic, b, temperature=2.0)
-    hidden = actor.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).last_hidden_state
-    by_hand = hidden @ critic.head.weight[0] + critic.head.bias[0]             # value of token t read at t - 1
-    torch.testing.assert_close(values[:, 1:], by_hand[:, :-1] * b.attention_mask[:, 1:])
-    assert (values[:, 0] == 0).all()
-    full = actor(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits / 2.0
-    torch.testing.assert_close(logprobs, token_logprobs(full, b.input_ids) * b.loss_mask)   # the head ran on LLM positions only
-    torch.testing.assert_close(entropies, entropy_from_logits(full) * b.loss_mask)
-    assert [p for p in critic.parameters()] == [critic.head.weight, critic.head.bias]   # the critic's optimizer: the head only
-    with pytest.raises(TypeError, match='policy_and_values'): critic(b.input_ids)
-
+# --- the LM head on LLM positions, LoRA, shared prefixes, whole room groups -----------------------------------------
 
 def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_softmax(tok):
     from ragen_nb.masking import llm_forward, token_stats
@@ -765,19 +374,6 @@ def test_llm_forward_runs_the_head_on_llm_positions_only_and_matches_the_full_so
     torch.testing.assert_close(h, entropy_from_logits(full) * b.loss_mask)
     z, y = torch.randn(2, 10, 7), torch.randint(0, 7, (2, 10))                      # chunks change nothing
     for a, c in zip(token_stats(z, y, chunk=3), token_stats(z, y, chunk=64)): torch.testing.assert_close(a, c)
-
-
-def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
-    from ragen_nb.masking import policy_and_values
-    b = collate([episode(tok, 'Up', 1., 0)], tok.pad_token_id)
-    grads = {}
-    for kind in ('shared', 'separate'):
-        actor = tiny_model(tok)
-        critic = ValueModel.on_actor(actor) if kind == 'shared' else ValueModel.from_causal_lm(actor)
-        _, _, values = policy_and_values(actor, critic, b)
-        values.sum().backward()
-        grads[kind] = (actor.model.layers[0].mlp.up_proj.weight.grad, bool(critic.head.weight.grad.abs().sum() > 0))
-    assert grads == {'shared': (None, True), 'separate': (None, True)}       # the value loss trains the critic alone
 
 
 def lora_pair(tok, cfg):
@@ -871,25 +467,6 @@ def test_minibatches_are_whole_room_groups(tok, monkeypatch):
     assert [rows[0] for rows in seen] == [trajs[i].ids[:len(rows[0])] for i, rows in zip(order.tolist(), seen)]
 
 
-def test_lora_run_checkpoints_a_loadable_actor_and_resumes_exactly(tiny_dir, tmp_path):
-    from ragen_nb.models import load_model
-    steps = ['TOTAL_STEPS=2', 'SAVE_FREQ=1', 'TEST_FREQ=0', 'LORA_RANK=4', 'CRITIC=shared', 'KL_COEF=0.01', 'GCP=False', 'BF16=false']   # fp32: the merged actor equals the LoRA model to float rounding
-    whole = train(Config.from_args(run_args(tiny_dir, tmp_path, 'whole', *steps)), progress=False)
-    ckpt = Path(whole['checkpoint'])
-    assert sorted(p.name for p in ckpt.iterdir()) == ['actor', 'actor_lora', 'critic', 'settings.json', 'state.pt']
-    assert sorted(p.name for p in (ckpt/'critic').iterdir()) == ['value_head.safetensors']   # shared: the head only
-    trajs = [episode(load_tokenizer(), 'Up', 1., 0)]
-    b = collate(trajs, 2)
-    with torch.no_grad():
-        torch.testing.assert_close(forward_logprobs(load_model(str(ckpt/'actor'), device='cpu'), b),
-                                   forward_logprobs(whole['actor'], b), atol=1e-5, rtol=1e-5)
-    train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps[1:], 'TOTAL_STEPS=1')), progress=False)
-    resumed = train(Config.from_args(run_args(tiny_dir, tmp_path, 'cut', *steps, 'RESUME=True')), progress=False)
-    assert [untimed(r) for r in read_metrics(tmp_path/'cut')] == [untimed(r) for r in read_metrics(tmp_path/'whole')]
-    vec = torch.nn.utils.parameters_to_vector
-    torch.testing.assert_close(vec(resumed['actor'].parameters()), vec(whole['actor'].parameters()), rtol=0, atol=1e-6)
-
-
 # --- room groups, the variance filter, runs without a critic ----------------------------------------------------------
 
 def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_path, monkeypatch):
@@ -912,7 +489,6 @@ def test_the_update_sees_exactly_the_top_room_groups_of_each_step(tiny_dir, tmp_
         assert r['filter/kept_ratio'] == 0.5
         assert r['filter/all_reward_std'] == pytest.approx(np.mean([s % 7 for s in rooms]) / 2 ** 0.5)
         assert r['filter/kept_reward_std'] == pytest.approx(np.mean([s % 7 for s in top]) / 2 ** 0.5)
-
 
 
 def test_a_top_p_step_whose_groups_all_tie_updates_nothing_and_is_logged(tiny_dir, tmp_path, monkeypatch):
@@ -989,9 +565,6 @@ def test_validation_rooms_are_withheld_train_rooms_disjoint_from_the_judged_ones
 
 
 # --- several processes ------------------------------------------------------------------------------------------------
-import hashlib
-from transformers import AutoModelForCausalLM
-
 
 @pytest.mark.slow
 def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_path):
@@ -1018,12 +591,6 @@ def test_two_processes_on_gloo_hold_the_same_weights_after_a_step(tiny_dir, tmp_
     assert latest_checkpoint(tmp_path/'ddp').name == 'global_step_1'
 
 
-def uneven_batch(tok):
-    "Eight trajectories of four rooms (two each), with very different numbers of LLM tokens and rewards."
-    words = ['Up', 'Down now please, quickly and carefully', 'Left', 'Right', 'Up Up', 'Down', 'Left, I think, or maybe not', 'Right']
-    return [episode(tok, w, r, i // 2) for i, (w, r) in enumerate(zip(words, [1., -1., 0.5, 2., -2., 0., 3., -0.5]))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('estimator', ['gae', 'brpo'])
 def test_two_processes_make_the_update_of_one(tok, tmp_path, estimator):
@@ -1046,20 +613,6 @@ def test_two_processes_make_the_update_of_one(tok, tmp_path, estimator):
     for model, state in zip((actor, critic), two):
         for k, v in model.state_dict().items(): torch.testing.assert_close(state[k], v, atol=1e-6, rtol=1e-4)
     assert (torch.nn.utils.parameters_to_vector(actor.parameters()) - start).abs().max() > 1e-4   # and the step did move them
-
-
-# --- trajectory images and curves ---------------------------------------------------------------------------------------
-
-def test_log_images_draws_the_chosen_steps_and_keeps_their_rollouts(tiny_dir, tmp_path):
-    args = run_args(tiny_dir, tmp_path, 'img', 'TOTAL_STEPS=2', 'SAVE_FREQ=0', 'TEST_FREQ=1', 'logging.log_images=True',
-                    f'logging.log_image_dir={tmp_path/"images"}', 'logging.log_image_step_size=2',
-                    'logging.log_n_image_per_batch=1')
-    assert train_main(args) == 0
-    drawn = sorted(p.name for p in (tmp_path/'images'/'img').iterdir())   # step 2 only, one trajectory
-    assert drawn[0] == 'step_000002.pdf' and drawn[1].startswith('step_000002_traj_0_seed_') and len(drawn) == 2
-    records = read_records(tmp_path/'img'/'rollouts.jsonl')
-    assert [r['step'] for r in records] == [2] and len(records[0]['trajectory'].ids) > 0
-    assert (tmp_path/'img'/'curves.png').stat().st_size > 10_000
 
 
 # --- vLLM rollouts (14) -------------------------------------------------------------------------------------------------
@@ -1086,6 +639,7 @@ def test_a_vllm_run_syncs_every_step_and_its_sampler_agrees_with_the_trainer(tok
 
 
 # --- speed: the fast paths compute what the plain ones do -------------------------------------------------------------
+
 def test_the_update_scores_its_first_minibatch_with_its_own_pass(tok, monkeypatch):
     "Old logprobs the update recomputes (RECOMPUTE_OLD_LOGPROBS, no KL in the reward) come from the first minibatch's own forward and one scoring pass over the rest before the first optimizer step: the numbers scoring everything first gives."
     args = ['TRAIN_BATCH_SIZE=4', 'GROUP_SIZE=2', 'PPO_BATCH_SIZE=2', 'MICRO_BATCH_SIZE=2', 'GCP=False', 'PACKED=True', 'KL_COEF=0',
