@@ -22,7 +22,7 @@ from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format
 from .engines import choose_engine, make_engine, vllm_available
 from .config import Config, EpisodeSettings, EPISODE_SETTINGS, RECIPES, setting
 from .checkpoint import best_checkpoint, checkpoint_settings, checkpoints, checkpoint_problem, latest_checkpoint, load_policy
-from .runlog import RunRecord, source, versions
+from .runlog import RunRecord, claim_run, error_exit, source, versions
 from .thinking import eval_thoughts
 
 # %% ../nbs/21_cli.ipynb #75f57bce
@@ -46,6 +46,7 @@ class EvalSettings(EpisodeSettings):
     turn_cache: bool = setting(False, "with ROLLOUT_ENGINE=hf: keep each episode's keys and values from turn to turn (14): the same answers to float rounding, faster on long episodes")
     train_rooms: int = setting(1000, 'training rooms on which the best fixed sequence is chosen')
     output: str = setting('', "write the tables to this JSON file, and this command's session to run.json beside it (empty: print only)")
+    rollouts: str = setting('', "write the judged model's greedy episodes to this rollouts.jsonl, to open in the widget (20); empty: none")
 
     @classmethod
     def from_args(cls, args: list[str] | None = None) -> 'EvalSettings':
@@ -72,7 +73,8 @@ class EvalSettings(EpisodeSettings):
                   (turn_budget(self.env_settings, self.max_turns) <= MAX_ENUMERATED_TURNS,
                    f'min(MAX_TURNS, MAX_STEPS) = {turn_budget(self.env_settings, self.max_turns)}: the exact baselines enumerate 4^turns '
                    f'sequences, at most {MAX_ENUMERATED_TURNS} turns; lower MAX_TURNS or MAX_STEPS'),
-                  (self.rollout_engine in ('hf', 'decode', 'vllm'), f"rollout_engine={self.rollout_engine!r}: must be 'hf', 'decode' or 'vllm'")]
+                  (self.rollout_engine in ('hf', 'decode', 'vllm'), f"rollout_engine={self.rollout_engine!r}: must be 'hf', 'decode' or 'vllm'"),
+                  (not self.rollouts or not Path(self.rollouts).exists(), f'rollouts={self.rollouts}: the file exists; move it away or name another')]
         for ok, message in checks:
             if not ok: raise ValueError(message)
         for _, _, temps in self.models:
@@ -118,7 +120,7 @@ def evaluate(cfg: EvalSettings, progress: bool = True, plan: dict | None = None)
             engine, tok = _engine(name, cfg.rollout_engine, cfg.turn_cache, bf16)
             more = partial(eval_thoughts, tokenizer=tok, budget=cfg.max_response_length) if cfg.think else None   # 13
             out = model_rows(engine, tok, plan['seeds'], plan['settings'], plan['cfg'], label, temperatures, cfg.samples, cfg.chunk_size,
-                             cfg.seed, progress, more)
+                             cfg.seed, progress, more, cfg.rollouts if label == 'model' else None)
             del engine; gc.collect()
             return out
         if label != 'base': rows += play_model(); continue
@@ -149,7 +151,7 @@ def eval_main(argv: list[str], command: list[str] | None = None) -> int:
         session = RunRecord(Path(cfg.output).parent, 'eval', command or ['ragen_nb', 'eval', *argv], dataclasses.asdict(cfg)) if cfg.output else None
         rows = evaluate(cfg, plan=plan)
     except (ValueError, OSError) as e:
-        print(f"ragen_nb eval: error: {' '.join(str(e).split())}", file=sys.stderr); return 2
+        return error_exit(e, command='ragen_nb eval')
     seconds = time.perf_counter() - start
     print_tables(rows); print(f'{cfg.n} held-out rooms, {seconds:.0f} s' + (f'; tables in {cfg.output}' if cfg.output else ''))
     if cfg.output:
@@ -171,10 +173,8 @@ def check_run(cfg: Config) -> list[str]:
                      f"{cfg.data_dir}` curates a dataset there)")
     check_model(cfg.base_model)
     run = Path(cfg.output_dir)/cfg.experiment_name
-    if not cfg.resume:
-        if checkpoints(run) or (run/'metrics.jsonl').exists():
-            raise FileExistsError(f"{run} already holds a run: pass RESUME=True to continue it, or pick another EXPERIMENT_NAME")
-        return notes
+    claim_run(run, cfg.resume)
+    if not cfg.resume: return notes
     checkpoint = latest_checkpoint(run)
     for _, path in checkpoints(run):
         if path == checkpoint: break
@@ -199,7 +199,7 @@ def train_main(argv: list[str], command: list[str] | None = None) -> int:
     try:
         cfg = Config.from_env(argv)
         notes = check_run(cfg)
-    except (ValueError, OSError) as e: print(f"error: {' '.join(str(e).split())}", file=sys.stderr); return 2
+    except (ValueError, OSError) as e: return error_exit(e)
     for note in notes: print(note, file=sys.stderr)
     from ragen_nb.trainer import train
     out = train(cfg, argv=command or ['ragen_nb', 'train', *argv])
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             check_model(args.model)
             paths = curate(args.output, args.seed, args.train_size, args.test_size, args.prefix, settings,
                            tokenizer=load_tokenizer(args.model))
-        except (ValueError, OSError) as e: print(f"error: {' '.join(str(e).split())}", file=sys.stderr); return 2
+        except (ValueError, OSError) as e: return error_exit(e)
         for split, path in paths.items(): print(f'{split}: {path}')
     return 0
 

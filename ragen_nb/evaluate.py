@@ -241,6 +241,7 @@ from tqdm.auto import tqdm
 
 from .rollout import RolloutConfig, episode_metrics, mixed_seed, rollout
 from .tokens import Trajectory
+from .viz import write_rollouts
 
 # %% ../nbs/10_evaluate.ipynb #6e0a7efa
 def play(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, cfg: RolloutConfig, samples: int = 1,
@@ -315,14 +316,16 @@ def solution_lengths(seeds: Sequence[int], settings: EnvSettings, turns: int) ->
 
 def model_rows(engine, tokenizer, seeds: Sequence[int], settings: EnvSettings, cfg: RolloutConfig, name: str = 'model',
                temperatures: Sequence[float] = (0.0, 0.5), samples: int = 4, chunk_size: int = 32, seed: int = 0,
-               progress: bool = True, more: Callable[[list[Trajectory]], dict] | None = None) -> list[dict]:
-    "One row per temperature: `trajectory_metrics`, success `by_length`, each room's success in `seeds`' order (`per_room`) and, per turn, `move_quality` (`moves`); greedy (0) plays each room once, a positive temperature `samples` times."
+               progress: bool = True, more: Callable[[list[Trajectory]], dict] | None = None,
+               rollouts: str | Path | None = None) -> list[dict]:
+    "One row per temperature: `trajectory_metrics`, success `by_length`, each room's success in `seeds`' order (`per_room`) and, per turn, `move_quality` (`moves`); greedy (0) plays each room once, a positive temperature `samples` times. `rollouts`: append the greedy episodes to this `rollouts.jsonl` (06), for the widget (20)."
     rows, lengths = [], solution_lengths(seeds, settings, turn_budget(settings, cfg.max_turns))
     for temperature in temperatures:
         label, k = ('greedy', 1) if temperature == 0 else (f'T={temperature:g}', samples)
         start = time.perf_counter()
         trajs = play(engine, tokenizer, seeds, settings, dataclasses.replace(cfg, temperature=temperature), k, chunk_size,
                      seed, progress, desc=f'{name} {label}')
+        if rollouts and temperature == 0: write_rollouts(trajs, rollouts)
         solved = {s: np.mean([t.success for t in trajs if t.seed == s]) for s in seeds}
         rows.append(dict(policy=f'{name} {label}', **trajectory_metrics(trajs, seed=seed),
                          by_length=by_length([solved[s] for s in seeds], lengths), per_room=[float(solved[s]) for s in seeds],

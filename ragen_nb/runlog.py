@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['RUN_FILE', 'CPU_FLAGS', 'keep_steps', 'jsonable', 'machine', 'source', 'versions', 'peak_memory', 'RunRecord',
-           'read_run_file', 'start_wandb', 'RunLog']
+           'read_run_file', 'claim_run', 'error_exit', 'start_wandb', 'RunLog']
 
 # %% ../nbs/17_runlog.ipynb #542ebce3
 import dataclasses, json, os, platform, re, resource, shlex, subprocess, sys, time, warnings
@@ -120,6 +120,18 @@ def read_run_file(path: str | Path) -> dict:
     except ValueError as e: raise ValueError(f"{path} is not JSON ({e}): repair it, or move it away to start its record afresh") from None
     if not isinstance(record, dict): raise ValueError(f"{path} holds {type(record).__name__}, not a run record: move it away")
     return record
+
+# %% ../nbs/17_runlog.ipynb #c1a1mrun
+def claim_run(run: Path, resume: bool = False, resumable: bool = True):
+    "Refuse to start a new run in `run` if it already holds one (a `metrics.jsonl` or a `global_step_*` checkpoint), unless `resume`."
+    if resume or not ((run/'metrics.jsonl').exists() or any(run.glob('global_step_*'))): return
+    fix = 'pass RESUME=True to continue it, or pick another EXPERIMENT_NAME' if resumable else 'pick another EXPERIMENT_NAME (or OUTPUT_DIR)'
+    raise FileExistsError(f"{run} already holds a run: {fix}")
+
+def error_exit(e: BaseException, status: int = 2, command: str = '') -> int:
+    "Print `e` as one `error:` line on stderr (its whitespace folded; after `command: ` if given) and return `status`, the command's exit status."
+    print(f"{command}{': ' if command else ''}error: {' '.join(str(e).split())}", file=sys.stderr)
+    return status
 
 # %% ../nbs/17_runlog.ipynb #7d4d00d4
 def start_wandb(cfg: Config, run: Path):

@@ -15,7 +15,7 @@ from .data import read_jsonl
 from .evaluate import model_rows
 from .engines import choose_engine, make_engine
 from .config import Config
-from .runlog import RunRecord
+from .runlog import RunRecord, error_exit
 from .trainer import _validate, room_seeds, train
 
 # %% ../nbs/23_speed.ipynb #cb581943
@@ -151,7 +151,7 @@ def bench_main(argv: list[str], command: list[str] | None = None) -> int:
         Config.from_args(args)   # bad settings fail here, before anything loads
         if a.before and not (Path(a.before)/'ragen_nb'/'__init__.py').exists(): raise ValueError(f'--before {a.before}: no ragen_nb package there')
         record = RunRecord(a.output, 'bench', command or ['ragen_nb_bench', *argv], dict(args=args, steps=a.steps, before=a.before)) if a.output else None
-    except (ValueError, OSError) as e: print(f"ragen_nb_bench: error: {e}", file=sys.stderr); return 2
+    except (ValueError, OSError) as e: return error_exit(e, command='ragen_nb_bench')
     result = bench(args, a.steps)
     before = bench_before(a.before, [s for s in args if s.lower().startswith('recipe=')], a.steps) if a.before else None
     table = format_bench(result, before)

@@ -7,7 +7,7 @@ __all__ = ['METRICS', 'TRAIN_METRICS', 'START_FILE', 'Processes', 'score_batch',
            'lr_schedule', 'room_seeds', 'batch_seeds', 'Setup', 'setup', 'train']
 
 # %% ../nbs/18_trainer.ipynb #97e84a8d
-import contextlib, dataclasses, json, math, os, random, sys, time, warnings
+import contextlib, dataclasses, json, math, os, random, time, warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import get_scheduler
 
 from .sokoban import EnvSettings
-from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, use_bf16, with_lora
+from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, with_lora
 from .tokens import LLM, Trajectory
 from .data import SPLITS, DEFAULT_SPLITS, load_split, split_seeds
 from .rollout import episode_metrics, mixed_seed, rollout
@@ -37,7 +37,7 @@ from .thinking import THINK_METRICS, thought_metrics
 from .engines import choose_engine, logprob_mismatch_kl, make_engine
 from .config import Config
 from .checkpoint import BEST_FILE, latest_checkpoint, load_training_state
-from .runlog import RunLog
+from .runlog import RunLog, claim_run
 
 # %% ../nbs/18_trainer.ipynb #95438044
 METRICS = {
@@ -484,9 +484,8 @@ def setup(cfg: Config) -> Setup:
     local, seeds = _split(cfg, procs.world), room_seeds(cfg)
     threads = f"threads: {torch.get_num_threads()} torch threads on {os.cpu_count()} cores (OMP_NUM_THREADS sets them)"
     run = Path(cfg.output_dir)/cfg.experiment_name
+    claim_run(run, cfg.resume)
     checkpoint = latest_checkpoint(run)
-    if not cfg.resume and (checkpoint is not None or (run/'metrics.jsonl').exists()):
-        raise FileExistsError(f"{run} already holds a run: pass RESUME=True to continue it, or pick another EXPERIMENT_NAME")
     if checkpoint is not None and (checkpoint/'critic').exists() == cfg.critic_free:
         raise ValueError(f"{checkpoint} was saved {'with' if cfg.critic_free else 'without'} a critic, and adv_estimator="
                          f"{cfg.adv_estimator!r} {'trains none' if cfg.critic_free else 'needs one'}: resume with the ADV_ESTIMATOR it was trained with")

@@ -84,6 +84,22 @@ def test_eval_of_a_thinking_model_reports_its_thoughts(tiny_dir, tmp_path):
     assert len(row['thoughts']) == 2 and row['policy'] == 'model greedy' and row['think/format'] == 0 and row['think/budget_hit'] == 1 and row['think/tokens'] > 0
 
 
+def test_eval_rollouts_keeps_the_greedy_episodes_of_the_judged_model_only(tiny_dir, tmp_path):
+    "ROLLOUTS=path: one greedy episode per held-out room, in the table's room order, readable by the widget's reader; never appended to."
+    from ragen_nb.evaluate import heldout_seeds
+    from ragen_nb.viz import read_rollouts
+    path = tmp_path/'rollouts.jsonl'
+    args = ['eval', f'MODEL={tiny_dir}', 'BASE=none', 'N=3', 'MAX_TURNS=2', 'MAX_RESPONSE_LENGTH=4',
+            'SEARCH_DEPTH=4', 'TRAIN_ROOMS=5', 'TEMPERATURES=0,1', 'SAMPLES=2', f'ROLLOUTS={path}']
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    episodes = read_rollouts(path)
+    assert [t.seed for t in episodes] == list(heldout_seeds(3))     # greedy only: one per room, not the 2 samples at T=1
+    assert all(len(t.actions) >= 1 and t.room for t in episodes)
+    again = run(*args)
+    assert again.returncode == 2 and 'the file exists' in again.stderr and len(read_rollouts(path)) == 3
+
+
 def test_eval_takes_room_settings_from_the_environment(monkeypatch):
     import ragen_nb.cli as cli
     seen = []
