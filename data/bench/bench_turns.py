@@ -1,6 +1,6 @@
 """Benchmark, not a test: a five-turn rollout with and without each turn's keys and values kept (`TurnCacheEngine`, 12).
 
-    .venv/bin/python tests/bench_turns.py [--rooms 64] [--max_turns 5] [--temperature 1.0]
+    .venv/bin/python data/bench/bench_turns.py [--rooms 64] [--max_turns 5] [--temperature 1.0]
 
 The embedded SmolLM2-135M (untrained, fp32), the first `--rooms` held-out rooms at RAGEN's setting (6x6, one box,
 SEARCH_DEPTH=30, MAX_STEPS=5), answers of at most 8 tokens, the env's replies as the trainer sends them. The same

@@ -1,6 +1,6 @@
 """Benchmark, not a test: rooms per second of ragen_nb's generator against gym-sokoban's `generate_room`.
 
-    .venv/bin/python tests/bench_rooms.py [N]
+    .venv/bin/python data/bench/bench_rooms.py [N]
 
 Both make N 6x6 one-box rooms (RAGEN's settings) in the same process. ragen_nb's figure includes what it adds:
 seeding and restoring both global random states, and its own reverse-play search with `search_depth`; gym-sokoban's

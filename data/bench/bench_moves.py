@@ -1,6 +1,6 @@
 """Measurement, not a test: where a model's greedy episodes go wrong, turn by turn (`ragen_nb.evaluate.move_quality`).
 
-    .venv/bin/python tests/bench_moves.py --model CHECKPOINT [--rooms 200] [--search_depth 30] [--max_turns 5] [--json PATH]
+    .venv/bin/python data/bench/bench_moves.py --model CHECKPOINT [--rooms 200] [--search_depth 30] [--max_turns 5] [--json PATH]
 
 Plays the first `--rooms` held-out rooms once, greedily, as `ragen_nb eval` does (env replies of up to 160 tokens), and
 prints for each turn how many rooms were still solvable in the moves left and the shares of optimal, no-effect and

@@ -1,6 +1,6 @@
 """Benchmark, not a test: rollout tokens/s of HF `generate` against the vLLM engine, on the same model and prompts.
 
-    .venv/bin/python tests/bench_engines.py [--sizes 32 128] [--tokens 64] [--engines hf hf-plain vllm-eager vllm-compiled]
+    .venv/bin/python data/bench/bench_engines.py [--sizes 32 128] [--tokens 64] [--engines hf hf-plain vllm-eager vllm-compiled]
 
 The embedded SmolLM2-135M in fp32, real first Sokoban prompts (notebook 02's `render_prompt`), T = 1, top_p = 1, no
 stop at `</answer>`, stopping only at eos or `--tokens`; the count is the tokens each engine returned. `hf` is

@@ -1,6 +1,6 @@
 """Benchmark, not a test: a few PPO steps of the `ragen-6x6-first` recipe on a random-init model of a real model's shape.
 
-    python tests/bench_gpu_step.py [--shape qwen2.5-0.5b] [--steps 4] [--variants lora full] [--tokenizer DIR] [KEY=value ...]
+    python data/bench/bench_gpu_step.py [--shape qwen2.5-0.5b] [--steps 4] [--variants lora full] [--tokenizer DIR] [KEY=value ...]
 
 For a GPU machine with no model hub: it builds a model of the shape's size with random weights (what a step costs does
 not depend on what the weights know), saves it with a tokenizer (default: the embedded SmolLM2's, whose 49152 ids fit in

@@ -1,6 +1,6 @@
 """Benchmark, not a test: wall time and peak memory of a model evaluation (`ragen_nb.evaluate.play`) per chunk size.
 
-    .venv/bin/python tests/bench_eval.py [--rooms 200] [--chunks 200 32 8] [--temperature 0] [--samples 1] [--json PATH]
+    .venv/bin/python data/bench/bench_eval.py [--rooms 200] [--chunks 200 32 8] [--temperature 0] [--samples 1] [--json PATH]
 
 The embedded SmolLM2-135M on the CPU with HF `generate` (`SharedPrefixEngine`, as `ragen_nb eval`), the main job's rooms (SEARCH_DEPTH=4, 2 turns), answers of at
 most 24 tokens. `--chunks 200` with 200 rooms is what `rollout` does alone: every room in one batch. Each chunk size

@@ -1,7 +1,7 @@
 """Benchmark, not a test: does torch.compile pay for the main job's update pass? The policy (bf16 trunk, LoRA r=16) forward + backward on one
 micro-batch of 4 rows x 120 tokens, eager against torch.compile (inductor), compile time counted; median of 8 calls.
 
-    .venv/bin/python tests/bench_compile.py
+    .venv/bin/python data/bench/bench_compile.py
 
 One fixed shape: a run's packed micro-batches change length every call, and each new shape compiles again."""
 import statistics, time, torch

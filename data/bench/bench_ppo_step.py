@@ -1,6 +1,6 @@
 """Benchmark, not a test: whole PPO steps with each rollout engine, by phase.
 
-    .venv/bin/python tests/bench_ppo_step.py [--steps 4] [--engines hf vllm vllm-eager] [KEY=value ...]
+    .venv/bin/python data/bench/bench_ppo_step.py [--steps 4] [--engines hf vllm vllm-eager] [KEY=value ...]
 
 Runs `ragen_nb train-cpu` (the main job's settings; KEY=value arguments override them) for `--steps` steps once per
 engine, each in a fresh process, without validation, checkpoints or images. It prints the median seconds of each
