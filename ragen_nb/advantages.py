@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['NORMS', 'ESTIMATORS', 'room_groups', 'group_ids', 'group_normalise', 'outcome_advantages', 'TurnTable',
-           'discounted_returns', 'anchor_groups', 'step_advantages', 'gigpo', 'on_tokens', 'Estimator']
+           'discounted_returns', 'anchor_groups', 'step_advantages', 'gigpo', 'on_tokens', 'EstimatorInput',
+           'Estimator']
 
 # %% ../nbs/08_advantages.ipynb #89c01b97
 import dataclasses
@@ -167,27 +168,41 @@ def _every_turn(adv: torch.Tensor, table: TurnTable) -> torch.Tensor:
     return torch.where(table.played, adv[:, None], 0.)
 
 @dataclasses.dataclass(frozen=True)
+class EstimatorInput:
+    "What an estimator reads: one process's rows of a batch (05's tensors) and, for the critic-free ones, every process's turns."
+    rewards: torch.Tensor                 # (B, L) reward on each token (with KL_COEF > 0, the KL penalty in)
+    mask: torch.Tensor                    # (B, L) 1 on LLM tokens
+    turn_ids: torch.Tensor                # (B, L) turn of each token
+    values: torch.Tensor | None = None    # (B, L) the critic's values; None without a critic
+    table: TurnTable | None = None        # every process's episodes, turn by turn; None with a critic
+    rows: slice = dataclasses.field(default_factory=lambda: slice(None))   # this process's rows of `table` (all, with one process)
+
+    def on_tokens(self, per_turn: torch.Tensor) -> tuple[torch.Tensor, None]:
+        "This process's rows of `per_turn` (every process's, one advantage per turn) on their LLM tokens, and no returns."
+        return on_tokens(per_turn[self.rows].to(self.mask.device), self.turn_ids, self.mask), None
+
+@dataclasses.dataclass(frozen=True)
 class Estimator:
     "An advantage estimator and what it needs."
-    name: str           # ADV_ESTIMATOR
-    critic: bool        # reads the critic's values: (rewards, values, mask, turn_ids, cfg) -> (advantages, returns), whitened after
-    groups: bool        # compares the rollouts of one room: needs GROUP_SIZE >= 2
-    advantages: Callable   # the function, by `critic`: on tokens as above, or (TurnTable, cfg) -> (B, T) per-turn advantages
-    doc: str            # one line for `--help`
+    name: str              # ADV_ESTIMATOR
+    critic: bool           # reads the critic's values (`EstimatorInput.values`), and its advantages are whitened after
+    groups: bool           # compares the rollouts of one room: needs GROUP_SIZE >= 2
+    advantages: Callable   # (EstimatorInput, cfg) -> ((B, L) advantage of each LLM token, (B, L) returns for the critic, or None)
+    doc: str               # one line for `--help`
+
+def _outcome(score: str, norm: str) -> Callable:
+    "The estimator that gives each episode `group_normalise(table.<score>, ..., norm)` on every LLM token it wrote."
+    return lambda x, cfg: x.on_tokens(_every_turn(group_normalise(getattr(x.table, score), x.table.groups, norm), x.table))
 
 ESTIMATORS = {e.name: e for e in (
-    Estimator('gae', True, False, lambda rewards, values, mask, turn_ids, cfg: gae(rewards, values, mask, cfg.gamma, cfg.lam),
+    Estimator('gae', True, False, lambda x, cfg: gae(x.rewards, x.values, x.mask, cfg.gamma, cfg.lam),
               'GAE over LLM tokens with a critic (07)'),
-    Estimator('bilevel_gae', True, False, lambda rewards, values, mask, turn_ids, cfg:   # RAGEN's: γ, λ in a turn; HIGH_LEVEL_GAMMA and λ across
-              turn_level_gae(rewards, values, mask, turn_ids, cfg.gamma, cfg.lam, cfg.high_level_gamma, cfg.lam), "RAGEN's turn-level GAE (07)"),
-    Estimator('grpo', False, True, lambda table, cfg: _every_turn(group_normalise(table.total, table.groups, 'grpo'), table),
-              'total reward against its room group, by its std'),
-    Estimator('brpo', False, False, lambda table, cfg: _every_turn(group_normalise(table.total, table.groups, 'brpo'), table),
-              'total reward against the whole batch, by its std'),
-    Estimator('arpo', False, False, lambda table, cfg: _every_turn(group_normalise(table.total, table.groups, 'arpo'), table),
-              'the raw total reward'),
-    Estimator('maxrl', False, True, lambda table, cfg: _every_turn(group_normalise(table.success, table.groups, 'maxrl'), table),
-              'success against its room group, by its mean'),
-    Estimator('gigpo', False, True, lambda table, cfg: gigpo(table, cfg.gigpo_norm, cfg.high_level_gamma, cfg.step_adv_coef),
+    Estimator('bilevel_gae', True, False, lambda x, cfg:   # RAGEN's: γ, λ in a turn; HIGH_LEVEL_GAMMA and λ across
+              turn_level_gae(x.rewards, x.values, x.mask, x.turn_ids, cfg.gamma, cfg.lam, cfg.high_level_gamma, cfg.lam), "RAGEN's turn-level GAE (07)"),
+    Estimator('grpo', False, True, _outcome('total', 'grpo'), 'total reward against its room group, by its std'),
+    Estimator('brpo', False, False, _outcome('total', 'brpo'), 'total reward against the whole batch, by its std'),
+    Estimator('arpo', False, False, _outcome('total', 'arpo'), 'the raw total reward'),
+    Estimator('maxrl', False, True, _outcome('success', 'maxrl'), 'success against its room group, by its mean'),
+    Estimator('gigpo', False, True, lambda x, cfg: x.on_tokens(gigpo(x.table, cfg.gigpo_norm, cfg.high_level_gamma, cfg.step_adv_coef)),
               'episode and turn credit from the states a room group shared'),
 )}

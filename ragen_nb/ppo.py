@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['KL_KINDS', 'policy_loss', 'explained_variance', 'value_loss', 'entropy_from_logits', 'kl_penalty', 'kl_loss',
-           'kl_in_reward']
+           'kl_in_reward', 'lr_schedule']
 
 # %% ../nbs/09_ppo.ipynb #2ecb54d4
 import torch
+from transformers import get_scheduler
 
 from .masking import masked_mean
 
@@ -105,3 +106,10 @@ def kl_in_reward(token_rewards: torch.Tensor, logprobs: torch.Tensor, ref_logpro
                  mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     "Rewards minus `kl_coef` times the k1 KL on each LLM token (verl's KL-in-reward), ready for GAE."
     return token_rewards - kl_coef * torch.where(mask.bool(), kl_penalty(logprobs, ref_logprobs, 'k1'), 0.).detach()
+
+# %% ../nbs/09_ppo.ipynb #lrsch01c
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    "The learning rate of `optimizer` step by step, as `cfg.lr_scheduler` and `cfg.warmup_steps_ratio` say over `cfg.total_steps` (transformers' schedules); call `step()` once per training step."
+    warmup = round(cfg.warmup_steps_ratio * cfg.total_steps)
+    name = 'constant_with_warmup' if cfg.lr_scheduler == 'constant' and warmup else cfg.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=cfg.total_steps)

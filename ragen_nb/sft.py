@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['FORMAT_TAGS', 'SFT_FILE', 'answer_text', 'bfs_path', 'scripted_answers', 'demonstration', 'demonstrations',
            'single_turn_demonstrations', 'sft_loss', 'sft_step', 'SFTConfig', 'train_seeds', 'val_seeds',
-           'demonstration_stream', 'validate_model', 'sft', 'sft_main']
+           'demonstration_stream', 'play_heldout', 'sft', 'sft_main']
 
 # %% ../nbs/19_sft.ipynb #44ff93b2
 import dataclasses, itertools, json, sys, time, warnings
@@ -30,7 +30,7 @@ from .engines import SharedPrefixEngine
 from .config import RunSettings, setting
 from .checkpoint import save_checkpoint
 from .runlog import RunRecord, claim_run, error_exit
-from .trainer import lr_schedule
+from .ppo import lr_schedule
 
 # %% ../nbs/19_sft.ipynb #c2b0bf39
 def answer_text(action: int, room: str, cfg: RolloutConfig) -> str:
@@ -209,7 +209,7 @@ def demonstration_stream(tokenizer, seeds: list[int], settings: EnvSettings, cfg
 
 SFT_FILE = 'sft.json'
 
-def validate_model(model, tokenizer, seeds: list[int], settings: EnvSettings, cfg: RolloutConfig) -> dict:
+def play_heldout(model, tokenizer, seeds: list[int], settings: EnvSettings, cfg: RolloutConfig) -> dict:
     "`val/` metrics of greedy play on `seeds` with 10's `play` and `trajectory_metrics`: success and its Wilson interval, valid answers, turns."
     trajs = play(SharedPrefixEngine(model, tokenizer), tokenizer, seeds, settings, dataclasses.replace(cfg, temperature=0.0), progress=False)
     m = trajectory_metrics(trajs)
@@ -249,7 +249,7 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
                               rooms_skipped=len(skipped), **seen)
                 if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
                     t1 = time.perf_counter()
-                    record.update(validate_model(model, tok, heldout, settings, rollout_cfg))
+                    record.update(play_heldout(model, tok, heldout, settings, rollout_cfg))
                     record['val/seconds'] = time.perf_counter() - t1
                 log.write(json.dumps(record) + '\n'); log.flush(); run_file.update(step=step)
                 if cfg.save_freq and step % cfg.save_freq == 0 or step == cfg.total_steps:
@@ -261,6 +261,7 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
     finally: run_file.close(status)
     return dict(run=str(run), metrics=record, checkpoint=str(checkpoint), model=model)
 
+# %% ../nbs/19_sft.ipynb #4604a877
 def sft_main(argv: list[str], command: list[str] | None = None) -> int:
     "`ragen_nb sft KEY=value ...` (`--help`: the settings; `command`: the whole command line, for run.json): 0 done, 1 stopped on a non-finite step, 2 bad settings (before any model loads)."
     if any(a in ('-h', '--help') for a in argv): print(SFTConfig.help()); return 0

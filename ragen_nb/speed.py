@@ -16,7 +16,7 @@ from .evaluate import model_rows
 from .engines import choose_engine, make_engine
 from .config import Config
 from .runlog import RunRecord, error_exit
-from .trainer import _validate, room_seeds, train
+from .trainer import play_validation, room_seeds, train
 
 # %% ../nbs/23_speed.ipynb #cb581943
 def gemm_roofline(seconds: float = 1.0, shape: tuple[int, int, int] = (2048, 576, 1536)) -> dict[str, float]:
@@ -97,7 +97,7 @@ def bench(args: list[str], steps: int = 3, folder: str | Path | None = None, pro
     val_cfg = dataclasses.replace(cfg, test_freq=1)   # the recipe's validation: its VAL_ROOMS withheld training rooms
     tok, seeds = load_tokenizer(cfg.base_model), room_seeds(val_cfg)
     engine = make_engine(choose_engine(cfg.rollout_engine)[0], tok, out['actor'], turn_cache=cfg.turn_cache)
-    rows.append(_engine_phase('validation', engine, flops, lambda: _validate(engine, tok, seeds['val'], val_cfg)))
+    rows.append(_engine_phase('validation', engine, flops, lambda: play_validation(engine, tok, seeds['val'], val_cfg)))
     rollout_cfg = cfg.rollout_config()
     rows.append(_engine_phase('eval (the model)', engine, flops, lambda: model_rows(
         engine, tok, seeds['test'][:cfg.eval_rooms], cfg.env_settings, rollout_cfg, 'model', (0.0, 0.5), cfg.eval_samples, progress=False)))

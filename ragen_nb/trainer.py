@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['METRICS', 'TRAIN_METRICS', 'START_FILE', 'Processes', 'score_batch', 'ppo_update', 'ppo_step', 'make_optimizers',
-           'lr_schedule', 'room_seeds', 'batch_seeds', 'Setup', 'setup', 'train']
+           'room_seeds', 'batch_seeds', 'play_validation', 'Setup', 'setup', 'train']
 
 # %% ../nbs/18_trainer.ipynb #97e84a8d
 import contextlib, dataclasses, json, math, os, random, time, warnings
@@ -18,7 +18,6 @@ from tqdm import tqdm
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, extract_model_from_parallel, gather_object
 from safetensors.torch import load_file
-from transformers import get_scheduler
 
 from .sokoban import EnvSettings
 from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, with_lora
@@ -28,8 +27,8 @@ from .rollout import episode_metrics, mixed_seed, rollout
 from .masking import (HEAD_FILE, Batch, SharedStart, ValueModel, collate, masked_mean, llm_forward, packed_forward,
                               policy_and_values, shared_prefix_length)
 from .gae import whiten
-from .advantages import TurnTable, on_tokens
-from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss
+from .advantages import EstimatorInput, TurnTable
+from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss, lr_schedule
 from .evaluate import play, trajectory_metrics, turn_budget
 from .starpo import GROUP_METRICS, filter_groups, filter_metrics, collapse_metrics
 from .starts import StartSchedule, solution, start_state
@@ -172,13 +171,11 @@ def score_batch(trajs: list[Trajectory],  # one rollout batch (after the filter)
     deferred = defer_old and recomputed and cfg.kl_coef == 0   # no reward needs them: the update's first pass gives the first minibatch's
     old, values, refs = _score(actor, critic, ref, b, cfg, old=not deferred)
     rewards = b.token_rewards if refs is None or cfg.kl_coef == 0 else kl_in_reward(b.token_rewards, old, refs, mask, cfg.kl_coef)
-    if estimator.critic:   # on tokens, against the critic's values; whitened over every process's LLM tokens, as verl does
-        advantages, returns = estimator.advantages(rewards, values, mask, b.turn_ids, cfg)
-        used = whiten(advantages, mask, total=procs.sum)
-    else:   # on turns, against the room group (BRPO: the whole batch, so every process's rows), then on this process's tokens
-        table, n = TurnTable.of(trajs, cfg.group_size), len(trajs)
-        per_turn = estimator.advantages(TurnTable.concat(procs.gather([table])), cfg)[procs.rank * n:(procs.rank + 1) * n, :table.rewards.shape[1]]
-        advantages = used = on_tokens(per_turn.to(rewards.device), b.turn_ids, mask); returns = None
+    n = len(trajs)   # the critic-free estimators compare room groups (BRPO: the whole batch), so they read every process's turns
+    table = None if estimator.critic else TurnTable.concat(procs.gather([TurnTable.of(trajs, cfg.group_size)]))
+    x = EstimatorInput(rewards, mask, b.turn_ids, values, table, slice(procs.rank * n, (procs.rank + 1) * n))
+    advantages, returns = estimator.advantages(x, cfg)   # 08
+    used = whiten(advantages, mask, total=procs.sum) if estimator.critic else advantages   # over every process's LLM tokens, as verl does
     scores = b.token_rewards.sum(-1)
     out = {'score/mean': scores.mean().item(), 'score/std': scores.std().item() if len(scores) > 1 else 0.,
            'response/llm_tokens': mask.sum(-1).float().mean().item()}
@@ -254,6 +251,7 @@ def _update(actor, critic, actor_opt, critic_opt, b: Batch, cfg: Config, step: i
     stats['timing/optimizer'] = time.perf_counter() - clock
     return {**stats, **{k: v.item() for k, v in norms.items()}, **({'old_logprobs': olds} if olds is not None else {})}
 
+# %% ../nbs/18_trainer.ipynb #e88877dd
 def ppo_update(b: Batch,  # a batch scored by `score_batch`: whole room groups of cfg.group_size, in order
                actor: nn.Module, critic: ValueModel | None,  # the policy, and the value model (None for the critic-free estimators)
                actor_opt: torch.optim.Optimizer, critic_opt: torch.optim.Optimizer | None,  # their optimizers (None without a critic)
@@ -291,7 +289,6 @@ def ppo_update(b: Batch,  # a batch scored by `score_batch`: whole room groups o
     if filled: out.update(_old_metrics(b, recomputed=True))
     return out
 
-
 # %% ../nbs/18_trainer.ipynb #4619bea9
 def ppo_step(trajs: list[Trajectory],  # one rollout batch (after the filter): whole room groups of cfg.group_size, in order
              actor: nn.Module,  # the policy, a Hugging Face causal LM
@@ -319,12 +316,6 @@ def make_optimizers(actor: nn.Module, critic: nn.Module | None, cfg: Config) -> 
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]   # LoRA: the adapters and the value head
     return (torch.optim.AdamW(trainable(actor), lr=cfg.actor_lr, weight_decay=cfg.weight_decay),
             None if critic is None else torch.optim.AdamW(trainable(critic), lr=cfg.critic_lr, weight_decay=cfg.weight_decay))
-
-def lr_schedule(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    "The learning rate of `optimizer` step by step, as `cfg.lr_scheduler` and `cfg.warmup_steps_ratio` say over `cfg.total_steps` (transformers' schedules); call `step()` once per training step."
-    warmup = round(cfg.warmup_steps_ratio * cfg.total_steps)
-    name = 'constant_with_warmup' if cfg.lr_scheduler == 'constant' and warmup else cfg.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=cfg.total_steps)
 
 # %% ../nbs/18_trainer.ipynb #357868c1
 TRAIN_METRICS = {
@@ -441,7 +432,7 @@ def _start_rooms(schedule: StartSchedule | None, seeds: list[int], step: int, se
     moves_left = [k for k in per_room for _ in range(cfg.group_size)]
     return moves_left, [start_state(settings, s, k) for s, k in zip(seeds, moves_left)]
 
-def _validate(engine, tok, seeds: list[int], cfg: Config) -> dict:
+def play_validation(engine, tok, seeds: list[int], cfg: Config) -> dict:
     "`val/` metrics: `val_samples` rollouts of each room of `seeds` at `val_temperature` (fixed sampling seeds), in the run's own episodes, scored by 10's `trajectory_metrics`."
     val_rollout = dataclasses.replace(cfg.rollout_config(), temperature=cfg.val_temperature)
     trajs = play(engine, tok, seeds, cfg.env_settings, val_rollout, cfg.val_samples, seed=cfg.seed, progress=False)
@@ -471,6 +462,7 @@ class Setup:
     best: float               # the best validation success of a checkpoint kept for it (KEEP_BEST), -inf before any
     starts: StartSchedule | None   # where training episodes start (START_CURRICULUM, 12); None: at their rooms' true starts
 
+# %% ../nbs/18_trainer.ipynb #84ce21d1
 def setup(cfg: Config) -> Setup:
     "Check the run folder, load models, optimizers and training state (resuming from the newest checkpoint with RESUME=True), prepare them for accelerate and start the rollout engine."
     cfg.validate()
@@ -536,6 +528,7 @@ def _step_record(step: int, metrics: dict, lr: float, everyone: list[Trajectory]
             **({'perf/prefill_tokens': ran['prefill_tokens'], 'perf/decode_tokens': ran['decode_tokens']} if processed else {}),
             **{k: metrics[k] for k in ('timing/backward', 'timing/optimizer', 'perf/backward_skipped', 'perf/forward_tokens') if k in metrics}}
 
+# %% ../nbs/18_trainer.ipynb #6c00279e
 def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> dict:
     "Run PPO as `cfg` says, in this process or in each of `accelerate launch`'s (`argv`: the command line, for run.json); returns the run folder, steps done, the last metrics, the last checkpoint, the error that stopped it (None) and the actor."
     s = setup(cfg)
@@ -547,7 +540,7 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                disable=not (progress and s.main))
     try:
         if s.main and s.done == 0 and cfg.test_freq:   # step 0: the curve starts from the untrained model
-            start = time.perf_counter(); val = _validate(engine, s.tok, s.seeds['val'], cfg)
+            start = time.perf_counter(); val = play_validation(engine, s.tok, s.seeds['val'], cfg)
             log.write({'step': 0, **val, 'timing/validate': time.perf_counter() - start, 'rollout/engine': engine.name})
         for step in bar:
             times, stage = {}, cfg.at_step(step)   # the seconds of each phase of this step
@@ -578,7 +571,7 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                 val = {}
                 with _timed(times, 'validate'):
                     if cfg.test_freq and step % cfg.test_freq == 0:
-                        if s.main: val = _validate(engine, s.tok, s.seeds['val'], cfg)
+                        if s.main: val = play_validation(engine, s.tok, s.seeds['val'], cfg)
                         procs.wait()
                 everyone, keep = procs.gather(trajs), procs.gather(keep)   # the whole batch, gathered once
             record = _step_record(step, metrics, lr, everyone, kept, keep, val, times, ran, engine.name, cfg)

@@ -103,7 +103,7 @@ def test_eval_rollouts_keeps_the_greedy_episodes_of_the_judged_model_only(tiny_d
 def test_eval_takes_room_settings_from_the_environment(monkeypatch):
     import ragen_nb.cli as cli
     seen = []
-    monkeypatch.setattr(cli, 'evaluate', lambda cfg, **k: seen.append(cfg.env_settings) or cli.baselines(cfg.env_settings, 2, 2, 5))
+    monkeypatch.setattr(cli, 'eval_rows', lambda cfg, **k: seen.append(cfg.env_settings) or cli.baselines(cfg.env_settings, 2, 2, 5))
     monkeypatch.setenv('SEARCH_DEPTH', '4'); monkeypatch.setenv('MAX_STEPS', '3')
     assert cli.main(['eval', 'N=2', 'MAX_TURNS=2']) == 0
     assert cli.main(['eval', 'N=2', 'MAX_TURNS=2', 'SEARCH_DEPTH=5']) == 0     # an argument beats the env
