@@ -105,13 +105,24 @@ def _wall(run: dict) -> str:
     threads = run.get('sessions', [{}])[0].get('machine', {}).get('torch_threads')
     return (f"{run['wall_s'] / 60:.0f}" if run.get('wall_s') else '?') + (f' ({threads})' if threads else '')
 
+def _by_seed(runs: dict[str, dict], names: list[str], read) -> str:
+    "`read(greedy row)` of each seed's greedy row, comma-separated ('-' where the row lacks it)."
+    def one(n):
+        try: return read(runs[n]['eval']['model greedy'])
+        except (KeyError, TypeError): return '-'
+    return ', '.join(one(n) for n in names)
+
+# %% ../nbs/22_results.ipynb #675085a0
 def lever_rows(runs: dict[str, dict], levers: dict[str, list[str]]) -> list[dict]:
-    "One row per lever (a label and the runs of its seeds, all judged alike): seeds, each seed's greedy success, their mean and minimum, the largest `peak_drop` and the wall minutes of each (with its torch threads: levers often ran two at a time, on one thread each)."
+    "One row per lever (a label and the runs of its seeds, all judged alike): seeds, each seed's greedy success, their mean and minimum, its success on rooms of one and of two moves and its distinct first moves, seed by seed, the largest `peak_drop` and the wall minutes of each (with its torch threads: levers often ran two at a time, on one thread each)."
     rows = []
     for label, names in levers.items():
         s = spread(runs, names)
         rows.append({'lever': label, 'seeds': s['seeds'], 'greedy by seed': ', '.join(f"{s['rates'][n]:.3f}" for n in names),
                      'mean': f"{s['mean']:.3f}", 'min': f"{s['min']:.3f} ({s['min_low']:.3f}-)",
+                     '1 move': _by_seed(runs, names, lambda r: f"{r['by_length']['1']['success_rate']:.2f}"),
+                     '2 moves': _by_seed(runs, names, lambda r: f"{r['by_length']['2']['success_rate']:.2f}"),
+                     'first moves': _by_seed(runs, names, lambda r: str(r['distinct_first_actions'])),
                      'largest drop': f"{max(peak_drop(runs[n]['metrics']) for n in names):.2f}",
                      'wall min (torch threads)': ', '.join(_wall(runs[n]) for n in names)})
     return rows
