@@ -83,6 +83,7 @@ class TurnCacheEngine(SharedPrefixEngine):
 
 # %% ../nbs/14_engines.ipynb #d9892b9e
 from collections import defaultdict
+from fastcore.basics import patch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from .models import bf16_compute
 
@@ -130,6 +131,7 @@ class BufferLayer(CacheLayerMixin):
         "Keep only `rows` (a copy of theirs)."
         self.keys, self.values = self.keys[rows], self.values[rows]
 
+# %% ../nbs/14_engines.ipynb #59354790
 class DecodeEngine:
     "An `Engine` on an HF causal LM with a decode loop of its own: each distinct prompt runs once (a room group's too) and the start all prompts share once, each row's keys and values are kept for its next turn and written into buffers allocated once, rows leave the batch as they finish, and each row draws from its own random numbers (`draws`, `pick`)."
     name = 'decode'
@@ -192,45 +194,47 @@ class DecodeEngine:
         where = mask[row, :cache.layers[0].length].nonzero()[:, 0]
         self.kept[key] = [(layer.keys[row][:, where], layer.values[row][:, where]) for layer in cache.layers]
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, continues: bool = False, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
-        "For each prompt (a list of ids), the new ids, cut at eos or after `</answer>`, and their logprobs under the model at `temperature`; row r samples with `draws(…, seed)[r]`. `continues`: reuse the keys and values kept from the call before."
-        if not prompts: return []
-        check_sampling(max_new_tokens, temperature, top_p)
-        if not continues: self.kept = {}
-        distinct = list(dict.fromkeys(tuple(p) for p in prompts))   # a room group's rollouts share their first prompt
-        start = time.perf_counter()
-        with bf16_compute(self.model):
-            cache, mask, logits = self._prefill([list(p) for p in distinct], max_new_tokens)
-            self.stats['prefill_s'] += time.perf_counter() - start; start = time.perf_counter()
-            self.kept, index = {}, torch.tensor([distinct.index(tuple(p)) for p in prompts], device=mask.device)
-            for layer in cache.layers: layer.select(index)
-            mask, logits, uniform = mask[index], logits[index], draws(len(prompts), max_new_tokens, seed)
-            rows, done = torch.arange(len(prompts)), torch.zeros(len(prompts), dtype=torch.bool)   # the prompt each batch row answers
-            new, logprobs = [[] for _ in prompts], [[] for _ in prompts]
-            for step in range(max_new_tokens):
-                token, logprob = pick(logits, uniform[rows, step], temperature, top_p)
-                for b in (~done).nonzero()[:, 0].tolist():
-                    r, t = int(rows[b]), int(token[b])
-                    new[r].append(t); logprobs[r].append(float(logprob[b]))
-                    if (t == self.tokenizer.eos_token_id or step == max_new_tokens - 1
-                        or stop_at_answer and t in self.closers and CLOSE in self.tokenizer.decode(new[r])):
-                        self._keep(tuple(prompts[r]) + tuple(new[r][:-1]), cache, mask, b)   # the last id never ran
-                        done[b] = True
-                if done.all(): break
-                if 4 * done.sum() >= len(done):   # a quarter of the batch finished: it leaves, the rest is copied once
-                    live = (~done).nonzero()[:, 0]
-                    for layer in cache.layers: layer.select(live.to(mask.device))
-                    rows, done, mask, token = rows[live], done[live], mask[live.to(mask.device)], token[live.to(token.device)]
-                length = cache.layers[0].length
-                positions = mask[:, :length].sum(-1, keepdim=True)
-                mask[:, length] = True
-                logits = self.model(input_ids=token[:, None], position_ids=positions, attention_mask=mask[:, None, None, :length + 1],
-                                    past_key_values=cache, use_cache=True).logits[:, -1].float()
-                self.stats['decode_tokens'] += len(token)
-        self.stats['decode_s'] += time.perf_counter() - start
-        return list(zip(new, logprobs))
+# %% ../nbs/14_engines.ipynb #c8c092a4
+@patch
+@torch.no_grad()
+def generate(self: DecodeEngine, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             seed: int | None = None, continues: bool = False, stop_at_answer: bool = True) -> list[tuple[list[int], list[float]]]:
+    "For each prompt (a list of ids), the new ids, cut at eos or after `</answer>`, and their logprobs under the model at `temperature`; row r samples with `draws(…, seed)[r]`. `continues`: reuse the keys and values kept from the call before."
+    if not prompts: return []
+    check_sampling(max_new_tokens, temperature, top_p)
+    if not continues: self.kept = {}
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts))   # a room group's rollouts share their first prompt
+    start = time.perf_counter()
+    with bf16_compute(self.model):
+        cache, mask, logits = self._prefill([list(p) for p in distinct], max_new_tokens)
+        self.stats['prefill_s'] += time.perf_counter() - start; start = time.perf_counter()
+        self.kept, index = {}, torch.tensor([distinct.index(tuple(p)) for p in prompts], device=mask.device)
+        for layer in cache.layers: layer.select(index)
+        mask, logits, uniform = mask[index], logits[index], draws(len(prompts), max_new_tokens, seed)
+        rows, done = torch.arange(len(prompts)), torch.zeros(len(prompts), dtype=torch.bool)   # the prompt each batch row answers
+        new, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            token, logprob = pick(logits, uniform[rows, step], temperature, top_p)
+            for b in (~done).nonzero()[:, 0].tolist():
+                r, t = int(rows[b]), int(token[b])
+                new[r].append(t); logprobs[r].append(float(logprob[b]))
+                if (t == self.tokenizer.eos_token_id or step == max_new_tokens - 1
+                    or stop_at_answer and t in self.closers and CLOSE in self.tokenizer.decode(new[r])):
+                    self._keep(tuple(prompts[r]) + tuple(new[r][:-1]), cache, mask, b)   # the last id never ran
+                    done[b] = True
+            if done.all(): break
+            if 4 * done.sum() >= len(done):   # a quarter of the batch finished: it leaves, the rest is copied once
+                live = (~done).nonzero()[:, 0]
+                for layer in cache.layers: layer.select(live.to(mask.device))
+                rows, done, mask, token = rows[live], done[live], mask[live.to(mask.device)], token[live.to(token.device)]
+            length = cache.layers[0].length
+            positions = mask[:, :length].sum(-1, keepdim=True)
+            mask[:, length] = True
+            logits = self.model(input_ids=token[:, None], position_ids=positions, attention_mask=mask[:, None, None, :length + 1],
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+            self.stats['decode_tokens'] += len(token)
+    self.stats['decode_s'] += time.perf_counter() - start
+    return list(zip(new, logprobs))
 
 # %% ../nbs/14_engines.ipynb #5c3d4f01
 @torch.no_grad()

@@ -201,6 +201,7 @@ def plot_run(run: str | Path | list[dict], path: str | Path | None = None) -> Fi
     if path is not None: Path(path).parent.mkdir(parents=True, exist_ok=True); fig.savefig(path)
     return fig
 
+# %% ../nbs/11_starpo.ipynb #88afba29
 def synthetic_metrics(steps: int = 120, collapse_at: int | None = 70, test_freq: int = 10, seed: int = 0) -> list[dict]:
     "Made-up metrics.jsonl records shaped like the trainer's: learning, then (from `collapse_at`) success falling while the rooms' rollouts stop varying and entropy decays."
     rng, out = np.random.default_rng(seed), []

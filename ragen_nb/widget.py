@@ -8,6 +8,7 @@ __all__ = ['TOKEN_CSS', 'token_strip', 'TrajectoryWidget']
 # %% ../nbs/20_widget.ipynb #1b3a39dc
 import base64, html, io, math, re
 from pathlib import Path
+from fastcore.basics import patch
 import numpy as np
 import ipywidgets as W
 from PIL import Image as PILImage
@@ -142,30 +143,34 @@ class TrajectoryWidget:
             self._widget = W.VBox([self.picker, self.colour_by, views])
         return self._widget
 
-    def to_html(self, max_trajectories: int | None = None) -> str:
-        "A static HTML rendering (no kernel, no JavaScript): per trajectory, a row per turn and its tokens by source."
-        parts = []
-        for i, t in enumerate(self.trajs[:max_trajectories]):
-            rows = [f'<details><summary>turn 0: the prompt ({t.turns.count(0)} tokens)</summary>{token_strip(t, self.pieces[i], 0)}</details>']
-            for turn in range(1, len(t.actions) + 1):
-                imgs = [f'<figure style="margin:0 8px 0 0"><img src="{_data_uri(png)}"/><figcaption>{c}</figcaption></figure>'
-                        if png else f'<div>{c}: room unknown</div>' for c, png in self._boards(i, turn)]
-                text, info = self._text(i, turn)
-                rows.append(f'<div style="display:flex;align-items:flex-start;gap:8px;margin-top:8px">{imgs[0]}'
-                            f'<div style="width:420px"><b>turn {turn}</b>{text}{info}</div>{imgs[1]}</div>'
-                            f'{token_strip(t, self.pieces[i], turn)}')
-            parts.append(f'<div class="trajectory" style="border-top:1px solid #ccc;padding:6px 0"><h4>{html.escape(_label(i, t))}</h4>{"".join(rows)}</div>')
-        return f'<div class="trajectory-widget">{"".join(parts)}</div>'
+# %% ../nbs/20_widget.ipynb #62c88032
+@patch
+def to_html(self: TrajectoryWidget, max_trajectories: int | None = None) -> str:
+    "A static HTML rendering (no kernel, no JavaScript): per trajectory, a row per turn and its tokens by source."
+    parts = []
+    for i, t in enumerate(self.trajs[:max_trajectories]):
+        rows = [f'<details><summary>turn 0: the prompt ({t.turns.count(0)} tokens)</summary>{token_strip(t, self.pieces[i], 0)}</details>']
+        for turn in range(1, len(t.actions) + 1):
+            imgs = [f'<figure style="margin:0 8px 0 0"><img src="{_data_uri(png)}"/><figcaption>{c}</figcaption></figure>'
+                    if png else f'<div>{c}: room unknown</div>' for c, png in self._boards(i, turn)]
+            text, info = self._text(i, turn)
+            rows.append(f'<div style="display:flex;align-items:flex-start;gap:8px;margin-top:8px">{imgs[0]}'
+                        f'<div style="width:420px"><b>turn {turn}</b>{text}{info}</div>{imgs[1]}</div>'
+                        f'{token_strip(t, self.pieces[i], turn)}')
+        parts.append(f'<div class="trajectory" style="border-top:1px solid #ccc;padding:6px 0"><h4>{html.escape(_label(i, t))}</h4>{"".join(rows)}</div>')
+    return f'<div class="trajectory-widget">{"".join(parts)}</div>'
 
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        "The live widget where a widget manager runs; elsewhere (docs, GitHub) the static HTML of the first trajectory, to stay small."
-        note = (f'<p><i>A static view of trajectory #0 of {len(self.trajs)}: the live widget (with a kernel) or save_html '
-                f'shows them all.</i></p>' if len(self.trajs) > 1 else '')
-        return {**(self.widget._repr_mimebundle_(**kwargs) or {}), 'text/html': note + self.to_html(max_trajectories=1)}
+@patch
+def _repr_mimebundle_(self: TrajectoryWidget, **kwargs) -> dict:
+    "The live widget where a widget manager runs; elsewhere (docs, GitHub) the static HTML of the first trajectory, to stay small."
+    note = (f'<p><i>A static view of trajectory #0 of {len(self.trajs)}: the live widget (with a kernel) or save_html '
+            f'shows them all.</i></p>' if len(self.trajs) > 1 else '')
+    return {**(self.widget._repr_mimebundle_(**kwargs) or {}), 'text/html': note + self.to_html(max_trajectories=1)}
 
-    def save_html(self, path: str | Path, embed_url: str | None = None, title: str = 'trajectories') -> Path:
-        "A standalone page with the widget and its state; its JavaScript comes from `embed_url` (a local embed.js) or, by default, a CDN."
-        from ipywidgets.embed import embed_minimal_html
-        local = dict(requirejs=False, embed_url=embed_url, cors=False) if embed_url else {}
-        embed_minimal_html(str(path), views=[self.widget], title=title, **local)
-        return Path(path)
+@patch
+def save_html(self: TrajectoryWidget, path: str | Path, embed_url: str | None = None, title: str = 'trajectories') -> Path:
+    "A standalone page with the widget and its state; its JavaScript comes from `embed_url` (a local embed.js) or, by default, a CDN."
+    from ipywidgets.embed import embed_minimal_html
+    local = dict(requirejs=False, embed_url=embed_url, cors=False) if embed_url else {}
+    embed_minimal_html(str(path), views=[self.widget], title=title, **local)
+    return Path(path)
