@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 import torch
 from .sokoban import EnvSettings
-from .data import DEFAULT_SPLITS, SPLITS, TEMPLATES, curate, split_seeds
+from .data import DEFAULT_SPLITS, TEMPLATES, curate, curated, split_seeds
 from .models import EMBEDDED, cache_dir, check_model, default_dtype, load_tokenizer, resolve, use_bf16
 from .data import read_jsonl
 from .evaluate import (MAX_ENUMERATED_TURNS, baselines, format_by_length, format_moves, format_paired, format_table, heldout_seeds,
@@ -86,8 +86,7 @@ def eval_plan(cfg: EvalSettings) -> dict:
     if cfg.rollout_engine == 'vllm' and not vllm_available(): raise ValueError('ROLLOUT_ENGINE=vllm needs vLLM: run `bash .ci/vllm`, or use ROLLOUT_ENGINE=hf')
     if cfg.output and not Path(cfg.output).parent.is_dir(): raise ValueError(f'output={cfg.output}: there is no folder {Path(cfg.output).parent}')
     for _, name, _ in cfg.models: check_model(name)   # a mistyped name, a damaged folder or no network fails here, not after minutes
-    default = cfg.data_dir == EpisodeSettings.data_dir and not (Path(cfg.data_dir)/'test.parquet').exists()   # as training (18)
-    data = None if default else cfg.data_dir
+    data = None if (found := curated(cfg.data_dir)) is None else str(found)   # as training (02, 18)
     return dict(seeds=heldout_seeds(cfg.n, data, cfg.env_settings), settings=cfg.env_settings, cfg=cfg.rollout_config(), data=data)
 
 def _engine(name: str, kind: str, turn_cache: bool = False, bf16: bool = False):
@@ -167,7 +166,7 @@ def check_run(cfg: Config) -> list[str]:
     from ragen_nb.trainer import room_seeds
     notes = []
     room_seeds(cfg)
-    if not any((Path(cfg.data_dir)/f'{split}.parquet').exists() for split in SPLITS):
+    if curated(cfg.data_dir) is None:
         train_seeds, test_seeds = split_seeds(**DEFAULT_SPLITS).values()
         notes.append(f"{cfg.data_dir} holds no train.parquet or test.parquet: training on the default seeds {train_seeds.start}-"
                      f"{train_seeds.stop - 1} and testing on {test_seeds.start}-{test_seeds.stop - 1} (`ragen_nb data --output "

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 
 from .sokoban import EnvSettings
 from .models import EMBEDDED, use_bf16
-from .data import TEMPLATES
+from .data import DEFAULT_DATA_DIR, TEMPLATES
 from .rollout import RolloutConfig
 from .engines import ENGINES
 from .advantages import ESTIMATORS, Estimator
@@ -113,7 +113,7 @@ def _check(ok: bool, message: str):
 @dataclasses.dataclass
 class EpisodeSettings(Settings):
     "What every command that plays Sokoban shares: the rooms, the episode's limits and the prompt, and the seed."
-    data_dir: str = setting('data/sokoban', 'folder with train.parquet and test.parquet; without either file, the default seed ranges', env=True)
+    data_dir: str = setting(DEFAULT_DATA_DIR, 'folder with train.parquet and test.parquet; the default folder without either file: the default seed ranges (02)', env=True)
     dim_x: int = setting(6, 'room rows, walls included', env=True)
     dim_y: int = setting(6, 'room columns, walls included', env=True)
     num_boxes: int = setting(1, 'boxes per room', env=True)

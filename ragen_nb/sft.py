@@ -8,7 +8,7 @@ __all__ = ['FORMAT_TAGS', 'SFT_FILE', 'answer_text', 'bfs_path', 'scripted_answe
            'demonstration_stream', 'play_heldout', 'sft', 'sft_main']
 
 # %% ../nbs/19_sft.ipynb #44ff93b2
-import dataclasses, itertools, json, sys, time, warnings
+import dataclasses, itertools, json, sys, time
 from pathlib import Path
 from typing import ClassVar, Iterator
 
@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .sokoban import EnvSettings, SokobanEnv, ACTIONS
 from .thinking import think_text
-from .data import DEFAULT_SPLITS, prefill, split_seeds, load_split
+from .data import DEFAULT_SPLITS, curated, prefill, split_seeds, load_split
 from .tokens import Trajectory, PROMPT, LLM, ENV
 from .rollout import RolloutConfig, ScriptedEngine, rollout
 from .starts import solution
@@ -188,15 +188,15 @@ class SFTConfig(RunSettings):
 
 # %% ../nbs/19_sft.ipynb #c408a14d
 def train_seeds(cfg: SFTConfig) -> list[int]:
-    "Training rooms: `data_dir`'s train.parquet (checked against the settings) when it exists, else `ragen_nb data`'s default range."
-    path = Path(cfg.data_dir)/'train.parquet'
-    if path.exists(): return [r['seed'] for r in load_split(path, cfg.env_settings)]
-    return list(split_seeds(**DEFAULT_SPLITS)['train'])
+    "Training rooms: `data_dir`'s train.parquet (checked against the settings), or the default range where `curated` (02) says so."
+    data = curated(cfg.data_dir)
+    if data is None: return list(split_seeds(**DEFAULT_SPLITS)['train'])
+    return [r['seed'] for r in load_split(data/'train.parquet', cfg.env_settings)]
 
 def val_seeds(cfg: SFTConfig) -> list[int]:
-    "The first `val_rooms` held-out rooms: `data_dir`'s test.parquet when it exists, else the seeds after the training range (10)."
-    data = cfg.data_dir if (Path(cfg.data_dir)/'test.parquet').exists() else None
-    return heldout_seeds(cfg.val_rooms, data, cfg.env_settings)
+    "The first `val_rooms` held-out rooms: `data_dir`'s test.parquet, or the seeds after the default training range where `curated` (02) says so (10)."
+    data = curated(cfg.data_dir)
+    return heldout_seeds(cfg.val_rooms, None if data is None else str(data), cfg.env_settings)
 
 def demonstration_stream(tokenizer, seeds: list[int], settings: EnvSettings, cfg: RolloutConfig, multi_turn: bool = True,
                          seed: int = 0, skipped: list | None = None, format_only: bool = False) -> Iterator[Trajectory]:
@@ -227,8 +227,7 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
     batch = [next(stream) for _ in range(cfg.train_batch_size)]   # a demonstration that breaks a limit fails here
     heldout = val_seeds(cfg) if cfg.test_freq else []
     bf16, precision = use_bf16(cfg.bf16, default_device())   # BF16=auto: bf16 where it is native (01)
-    if progress: print(precision, file=sys.stderr)
-    if bf16 and default_device().type == 'cpu' and 'emulated' in precision: warnings.warn(f"{precision}, many times slower: set BF16=false")
+    print(precision, file=sys.stderr)   # says when bf16 is emulated, and slower than fp32 (01)
     frozen = torch.bfloat16 if bf16 else torch.float32
     model = load_model(cfg.base_model, frozen if cfg.lora_rank else torch.float32)   # trained in full: fp32 weights and AdamW, also on a GPU
     if cfg.lora_rank: model = with_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)

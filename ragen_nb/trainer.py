@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from .sokoban import EnvSettings
 from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, with_lora
 from .tokens import LLM, Trajectory
-from .data import SPLITS, DEFAULT_SPLITS, load_split, split_seeds
+from .data import SPLITS, DEFAULT_SPLITS, curated, load_split, split_seeds
 from .rollout import episode_metrics, mixed_seed, rollout
 from .masking import (HEAD_FILE, Batch, SharedStart, ValueModel, collate, masked_mean, llm_forward, packed_forward,
                               policy_and_values, shared_prefix_length)
@@ -364,11 +364,11 @@ TRAIN_METRICS = {
 
 # %% ../nbs/18_trainer.ipynb #4f40a9d5
 def room_seeds(cfg: Config) -> dict[str, list[int]]:
-    "Train, validation and test room seeds. Train and test come from `data_dir`'s parquet files, checked against the settings (only the default `data_dir` may hold neither file, and then `DEFAULT_SPLITS` gives them, 02); with validation on, the last `val_rooms` train rooms are set apart for it: never trained on, and never judged, since judging plays test rooms."
-    paths = {split: Path(cfg.data_dir)/f'{split}.parquet' for split in SPLITS}
-    if cfg.data_dir == Config.data_dir and not any(p.exists() for p in paths.values()):
-        out = {split: list(seeds) for split, seeds in split_seeds(**DEFAULT_SPLITS).items()}
+    "Train, validation and test room seeds. Train and test come from `data_dir`'s parquet files, checked against the settings (`curated`, 02: only the default `data_dir` may hold neither file, and then `DEFAULT_SPLITS` gives them); with validation on, the last `val_rooms` train rooms are set apart for it: never trained on, and never judged, since judging plays test rooms."
+    data = curated(cfg.data_dir)
+    if data is None: out = {split: list(seeds) for split, seeds in split_seeds(**DEFAULT_SPLITS).items()}
     else:
+        paths = {split: data/f'{split}.parquet' for split in SPLITS}
         out = {split: [r['seed'] for r in load_split(path, cfg.env_settings)] for split, path in paths.items()}
         for split, path in paths.items():
             if not out[split]: raise ValueError(f"{path} holds no rooms: curate it again with `ragen_nb data --output {cfg.data_dir}`")

@@ -322,7 +322,7 @@ def test_a_model_that_cannot_load_is_one_error_line(cmd, mistake, tiny, tmp_path
 
 
 DATA_MISTAKES = {'cut': 'is not a readable parquet file', 'columns': "lacks columns ['room']",
-                 'empty': 'does not exist', 'typo': 'does not exist'}
+                 'empty': 'holds no train.parquet or test.parquet', 'typo': 'does not exist'}
 
 
 @pytest.mark.parametrize('cmd', ['train', 'train-cpu', 'eval'])
