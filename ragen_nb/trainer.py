@@ -573,7 +573,8 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                     if cfg.test_freq and step % cfg.test_freq == 0:
                         if s.main: val = play_validation(engine, s.tok, s.seeds['val'], cfg)
                         procs.wait()
-                everyone, keep = procs.gather(trajs), procs.gather(keep)   # the whole batch, gathered once
+                shares = procs.gather([(trajs, keep)])   # every process's rollouts and the filter's flags per room group, in one gather
+                everyone, keep = [t for ts, _ in shares for t in ts], [k for _, ks in shares for k in ks]
             record = _step_record(step, metrics, lr, everyone, kept, keep, val, times, ran, engine.name, cfg)
             if cfg.think: record.update(thought_metrics(everyone, s.tok, stage.max_response_length))   # 13
             if s.starts:   # then the frontier moves, on the success of every process's episodes
