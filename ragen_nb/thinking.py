@@ -67,13 +67,13 @@ def thought_mi(rooms: list, thoughts: list[str], words: int = 8, seed: int = 0) 
     return room_action_mi(rooms, [' '.join(t.split()[:words]) for t in thoughts], seed=seed)
 
 # %% ../nbs/13_thinking.ipynb #ec1fb36f
-def think_text(room: str) -> str:
-    "A short thought made of positions read off `room`: where the player, the boxes and the targets are, as (row, column). The thought `19_sft`'s demonstrations write."
+def think_text(room: str, goes: str | None = None) -> str:
+    "A short thought read off `room`: where the player, the boxes and the targets are, as (row, column), and, given `goes` ('up', 'down', 'left' or 'right'), the way the box must go. The thought `19_sft`'s demonstrations write."
     where = positions(room)
     def at(cells): return ', '.join(f'({r},{c})' for r, c in cells)
     boxes, targets = where['boxes'], where['targets']
     return (f"I am at {at(where['you'])}, the box{'es' if len(boxes) > 1 else ''} at {at(boxes)}, "
-            f"the target{'s' if len(targets) > 1 else ''} at {at(targets)}.")
+            f"the target{'s' if len(targets) > 1 else ''} at {at(targets)}." + (f" The box must go {goes}." if goes else ''))
 
 # %% ../nbs/13_thinking.ipynb #14fd20c7
 THINK_METRICS = {

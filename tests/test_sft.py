@@ -2,6 +2,7 @@
 import dataclasses, json, re, subprocess, sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +16,8 @@ from ragen_nb.ppo import policy_loss
 from ragen_nb.rollout import RolloutConfig, ScriptedEngine, rollout
 from ragen_nb.sft import (SFT_FILE, SFTConfig, demonstration, demonstrations, sft, sft_loss, sft_main, sft_step,
                           single_turn_demonstrations)
-from ragen_nb.thinking import think_text
-from ragen_nb.sokoban import ACTIONS, EnvSettings, SokobanEnv, solve
+from ragen_nb.thinking import grounding, split_reply, think_text
+from ragen_nb.sokoban import ACTIONS, BOX, BOX_ON_TARGET, TARGET, EnvSettings, SokobanEnv, solve
 from ragen_nb.tokens import ENV, LLM, PROMPT
 
 SEED_SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
@@ -27,12 +28,30 @@ def scripted_bfs(seed, think):
     "A reply function: the solver's move for the turn being answered (found here, apart from `demonstration`), then a ramble."
     env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
     plan = solve(env.room_fixed, env.room_state)
+    goes = way_pushed_next(seed, plan) if plan else []
     def reply(context):
         turn = context.count('<|im_start|>assistant')
         room = re.findall(r'(?:^[#_OX√PS]+\n)+', context, re.MULTILINE)[-1].strip()
-        thought = f'{think_text(room)}</think><answer>' if think else ''
+        thought = f'{think_text(room, goes[turn - 1])}</think><answer>' if think else ''
         return f'{thought}{ACTIONS[plan[turn - 1]]}</answer><|im_end|>\n<|im_start|>user\nDone'
     return reply
+
+
+def way_pushed_next(seed, plan):
+    "For each move of `plan`, found by playing it in the env (not by reading the room's text, as `box_goes` does): the way the box moves at the next push, if that push brings it nearer the target, else None."
+    env = SokobanEnv(SEED_SETTINGS); env.reset(seed=seed)
+    target = tuple(np.argwhere(env.room_fixed == TARGET)[0])
+    boxes = [tuple(np.argwhere(np.isin(env.room_state, (BOX, BOX_ON_TARGET)))[0])]
+    for action in plan:
+        env.step(action); boxes.append(tuple(np.argwhere(np.isin(env.room_state, (BOX, BOX_ON_TARGET)))[0]))
+    out = []
+    for i in range(len(plan)):
+        j = next((j for j in range(i, len(plan)) if boxes[j + 1] != boxes[j]), None)
+        if j is None: out.append(None); continue
+        step = (boxes[j + 1][0] - boxes[j][0], boxes[j + 1][1] - boxes[j][1])
+        dist = lambda b: abs(b[0] - target[0]) + abs(b[1] - target[1])
+        out.append({(-1, 0): 'up', (1, 0): 'down', (0, -1): 'left', (0, 1): 'right'}[step] if dist(boxes[i]) > dist((boxes[i][0] + step[0], boxes[i][1] + step[1])) else None)
+    return out
 
 
 def tiny_args(tiny_dir, out, name, *extra):
@@ -66,6 +85,29 @@ def test_demonstrations_are_the_rollouts_episodes_and_solve_their_rooms(tok, thi
         assert info['success'] and demo.success and len(demo.actions) == len(shortest)
         compared += 1
     assert compared >= 30
+
+
+@pytest.mark.parametrize('settings', [SEED_SETTINGS, EnvSettings(search_depth=4, max_steps=5)], ids=['6x6', 'main-job'])
+def test_demonstrated_thoughts_are_true_of_their_room_and_a_wrong_position_is_caught(tok, settings):
+    "Every statement of every demonstrated thought (multi- and single-turn) checks true against the room before its move; the box's way is stated on most turns; the same thought with the player, the box or the target one row off checks false."
+    cfg, thoughts = RolloutConfig(think=True, max_turns=5, max_obs_length=160), []
+    for seed in SEEDS:
+        demo = demonstration(tok, seed, settings, cfg)
+        if demo is None: continue
+        env = SokobanEnv(settings)
+        rooms = [env.reset(seed=seed)] + [env.step(a)[0] for a in demo.actions[:-1]]   # the room before each move, replayed
+        singles = single_turn_demonstrations(tok, seed, settings, cfg)
+        for responses in (demo.responses, [s.responses[0] for s in singles]):
+            thoughts += [(split_reply('<think>' + r)[0], room) for r, room in zip(responses, rooms, strict=True)]
+    assert len(thoughts) >= 60
+    for thought, room in thoughts:
+        g = grounding(thought, room)
+        assert g['claims'] == g['true'] >= 3, (thought, room)
+        for name in ('I am', 'the box', 'the target'):
+            r, c = map(int, re.search(name + r' at \((\d+),(\d+)\)', thought).groups())
+            wrong = thought.replace(f'{name} at ({r},{c})', f'{name} at ({r + 1},{c})')
+            assert grounding(wrong, room) == dict(claims=g['claims'], true=g['claims'] - 1)
+    assert sum('The box must go' in t for t, _ in thoughts) >= 0.9 * len(thoughts)
 
 
 def test_unsolvable_rooms_are_counted_and_skipped(tok):
@@ -277,6 +319,18 @@ def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_pa
     session, = json.loads((tmp_path/'run'/'run.json').read_text())['sessions']                # the command's own record
     assert session['kind'] == 'sft' and session['status'] == 'done' and session['step'] == 4 and session['settings'] == saved['config']
     assert saved['step'] == 4 and saved['config']['lr'] == 0.01 and saved['metrics'] == rows[-1]
+
+
+def test_validation_of_a_thinking_model_reports_its_thoughts(tok, monkeypatch):
+    "With THINK=True the SFT's validation adds 13's think/ metrics: on the demonstrations themselves, every turn in format and every thought grounded; without, no think/ key."
+    cfg = RolloutConfig(think=True, max_turns=5, max_response_length=64, max_obs_length=160)
+    demos = [d for d in (demonstration(tok, seed, SEED_SETTINGS, cfg) for seed in SEEDS[:12]) if d is not None]
+    monkeypatch.setattr(sft_module, 'play', lambda engine, tokenizer, seeds, settings, cfg, progress: demos)
+    with_thoughts = sft_module.play_heldout(None, tok, [d.seed for d in demos], SEED_SETTINGS, cfg)
+    assert with_thoughts['val/success_rate'] == 1.0 and with_thoughts['val/think/format'] == 1.0
+    assert with_thoughts['val/think/checkable'] == 1.0 and with_thoughts['val/think/grounded'] == 1.0
+    plain = sft_module.play_heldout(None, tok, [d.seed for d in demos], SEED_SETTINGS, dataclasses.replace(cfg, think=False))
+    assert not any(k.startswith('val/think/') for k in plain)
 
 
 def test_multi_turn_seed_and_think_change_the_examples(tok, tiny_dir, tmp_path, monkeypatch):
