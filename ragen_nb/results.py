@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['RUNS', 'RUN_FILE', 'KEPT_FILES', 'SCORE_SETTINGS', 'keep_run', 'read_run', 'kept_runs', 'eval_settings', 'peak_drop',
-           'spread', 'lever_rows', 'runs_table', 'baselines_table', 'markdown']
+           'spread', 'judged_validation', 'lever_rows', 'runs_table', 'baselines_table', 'markdown']
 
 # %% ../nbs/22_results.ipynb #c7fd3875
 import json, math, re, shutil
@@ -113,8 +113,15 @@ def _by_seed(runs: dict[str, dict], names: list[str], read) -> str:
     return ', '.join(one(n) for n in names)
 
 # %% ../nbs/22_results.ipynb #675085a0
+def judged_validation(run: dict) -> tuple[int, float] | None:
+    "The step of the checkpoint a run's eval judged (its `global_step_N`) and the validation success logged at that step: what KEEP_BEST chose it by, on withheld training rooms (None where either is missing)."
+    model = run['eval_info'].get('model') or run['eval_info'].get('settings', {}).get('model') or ''
+    step = int(model.rsplit('_', 1)[1]) if 'global_step_' in model else None
+    val = {r['step']: r['val/success_rate'] for r in run['metrics'] if r.get('val/success_rate') is not None}
+    return (step, val[step]) if step in val else None
+
 def lever_rows(runs: dict[str, dict], levers: dict[str, list[str]]) -> list[dict]:
-    "One row per lever (a label and the runs of its seeds, all judged alike): seeds, each seed's greedy success, their mean and minimum, its success on rooms of one and of two moves and its distinct first moves, seed by seed, the largest `peak_drop` and the wall minutes of each (with its torch threads: levers often ran two at a time, on one thread each)."
+    "One row per lever (a label and the runs of its seeds, all judged alike): seeds, each seed's greedy success, their mean and minimum, its success on rooms of one and of two moves and its distinct first moves, seed by seed, the validation success of the checkpoint judged (the recipe is chosen by it, never by the held-out rooms), the largest `peak_drop` and the wall minutes of each (with its torch threads: levers often ran two at a time, on one thread each)."
     rows = []
     for label, names in levers.items():
         s = spread(runs, names)
@@ -123,6 +130,7 @@ def lever_rows(runs: dict[str, dict], levers: dict[str, list[str]]) -> list[dict
                      '1 move': _by_seed(runs, names, lambda r: f"{r['by_length']['1']['success_rate']:.2f}"),
                      '2 moves': _by_seed(runs, names, lambda r: f"{r['by_length']['2']['success_rate']:.2f}"),
                      'first moves': _by_seed(runs, names, lambda r: str(r['distinct_first_actions'])),
+                     'validation, judged step': ', '.join(f'{v[1]:.2f}' if (v := judged_validation(runs[n])) else '-' for n in names),
                      'largest drop': f"{max(peak_drop(runs[n]['metrics']) for n in names):.2f}",
                      'wall min (torch threads)': ', '.join(_wall(runs[n]) for n in names)})
     return rows
