@@ -82,14 +82,15 @@ THINK_METRICS = {
     'think/format': "share of turns in R1's format, a closed <think>...</think> and then an answer holding an action: in think mode, the turns whose action counts",
     'think/checkable': 'share of thoughts that state something checkable about the room (positions, sides, the way the box must go)',
     'think/grounded': 'share of those whose every checkable statement is true of the room it was written about',
+    'think/claims_true': 'share of all checkable statements that are true: partly right thoughts count in part',
     'think/mi': 'room/thought MI (nats) over the first turns, each thought summarised by its first 8 words (THINK=True only, as every think/ key)',
     'think/mi_null': 'its shuffled-room null',
     'think/mi_null_std': 'std of that null over the shuffles',
 }
 
 def thought_metrics(trajs: list[Trajectory], tokenizer, budget: int) -> dict:
-    "The `think/` metrics of episodes played with THINK=True (`budget`: MAX_RESPONSE_LENGTH): thought tokens per turn, budget hits, R1 format, checkable and grounded thoughts, and the room/thought MI over first turns."
-    tokens, hits, formats, checkable, grounded, firsts = [], [], [], [], [], []
+    "The `think/` metrics of episodes played with THINK=True (`budget`: MAX_RESPONSE_LENGTH): thought tokens per turn, budget hits, R1 format, checkable and grounded thoughts, the share of true statements, and the room/thought MI over first turns."
+    tokens, hits, formats, checkable, grounded, firsts, said, true = [], [], [], [], [], [], 0, 0
     for t in trajs:
         rooms = rooms_before_after(t, tokenizer)
         for turn, (response, (before, _)) in enumerate(zip(t.responses, rooms), start=1):
@@ -101,11 +102,12 @@ def thought_metrics(trajs: list[Trajectory], tokenizer, budget: int) -> dict:
             g = grounding(thought, before) if before is not None else dict(claims=0, true=0)
             checkable.append(g['claims'] > 0)
             if g['claims']: grounded.append(g['true'] == g['claims'])
+            said, true = said + g['claims'], true + g['true']
             if turn == 1: firsts.append((t.seed, thought))
     mi = thought_mi([s for s, _ in firsts], [th for _, th in firsts])
     mean = lambda xs: float(np.mean(xs)) if xs else float('nan')
     return {'think/tokens': mean(tokens), 'think/budget_hit': mean(hits), 'think/format': mean(formats),
-            'think/checkable': mean(checkable), 'think/grounded': mean(grounded),
+            'think/checkable': mean(checkable), 'think/grounded': mean(grounded), 'think/claims_true': true / said if said else float('nan'),
             'think/mi': mi['mi'], 'think/mi_null': mi['mi_null'], 'think/mi_null_std': mi['mi_null_std']}
 
 # %% ../nbs/13_thinking.ipynb #5aa8c9d4

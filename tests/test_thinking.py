@@ -69,25 +69,28 @@ GRID = re.compile(r'^[#_OX√PS]+$', re.MULTILINE)
 def _room(text: str, settings: EnvSettings) -> str:
     return '\n'.join(GRID.findall(text)[-settings.dim_x:])
 
-@pytest.mark.parametrize('kind', ['true', 'false', 'ramble'])
+@pytest.mark.parametrize('kind', ['true', 'false', 'partly', 'ramble'])
 def test_thought_metrics_of_scripted_episodes(tok, kind):
     settings, budget = EnvSettings(search_depth=4), 40
     def reply(context):
         (player,), box = positions(_room(context, settings))['you'], positions(_room(context, settings))['boxes'][0]
         if kind == 'ramble': return ' and so on' * 40
-        at = box if kind == 'true' else (box[0] + 1, box[1] + 1)
-        return f' The box is at ({at[0]}, {at[1]}). </think> <answer>Up</answer>'
+        at = box if kind in ('true', 'partly') else (box[0] + 1, box[1] + 1)
+        wrong = f' I am at ({player[0] + 1}, {player[1]}).' if kind == 'partly' else ''   # a statement one row off
+        return f' The box is at ({at[0]}, {at[1]}).{wrong} </think> <answer>Up</answer>'
     cfg = RolloutConfig(max_turns=2, max_response_length=budget, think=True, temperature=0.0)
     trajs = rollout(ScriptedEngine(tok, reply), tok, list(range(20000, 20008)), settings, cfg)
     m = thought_metrics(trajs, tok, budget)
     assert set(m) == set(THINK_METRICS)
     if kind == 'ramble':
         assert m['think/budget_hit'] == 1 and m['think/format'] == 0 and m['think/checkable'] == 0 and math.isnan(m['think/grounded'])
+        assert math.isnan(m['think/claims_true'])
         assert m['think/tokens'] >= budget - 2 and m['think/mi'] == 0   # every thought opens with the same words
     else:
         assert m['think/budget_hit'] == 0 and m['think/format'] == 1 and m['think/checkable'] == 1
         assert m['think/grounded'] == (1.0 if kind == 'true' else 0.0)
-        assert m['think/tokens'] == len(tok.encode('The box is at (2, 2).', add_special_tokens=False))   # single digits: one count for every room
+        assert m['think/claims_true'] == {'true': 1.0, 'false': 0.0, 'partly': 0.5}[kind]   # one statement of two, on every turn
+        if kind != 'partly': assert m['think/tokens'] == len(tok.encode('The box is at (2, 2).', add_special_tokens=False))   # single digits: one count for every room
 
 
 def test_real_think_replies_in_a_rollout_are_cut_and_penalised(tok):
