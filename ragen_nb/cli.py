@@ -144,20 +144,23 @@ def write_json(path, rows: list[dict], **info) -> Path:
 def eval_main(argv: list[str], command: list[str] | None = None) -> int:
     "`ragen_nb eval KEY=value ...` (`--help`: the settings; `command`: the whole command line, for run.json): print the tables, and with OUTPUT write them and the session; a mistake is one `error:` line and exit 2."
     if any(a in ('-h', '--help') for a in argv): print(EvalSettings.help()); return 0
-    start = time.perf_counter()
+    start, session, status = time.perf_counter(), None, 'stopped'   # Ctrl-C mid-play leaves the session 'stopped', not 'running'
     try:
         cfg = EvalSettings.from_env(argv)
         plan = eval_plan(cfg)
         session = RunRecord(Path(cfg.output).parent, 'eval', command or ['ragen_nb', 'eval', *argv], dataclasses.asdict(cfg)) if cfg.output else None
         rows = eval_rows(cfg, plan=plan)
+        seconds = time.perf_counter() - start
+        print_tables(rows); print(f'{cfg.n} held-out rooms, {seconds:.0f} s' + (f'; tables in {cfg.output}' if cfg.output else ''))
+        if cfg.output:
+            write_json(cfg.output, rows, settings=dataclasses.asdict(cfg), seeds=plan['seeds'], data=plan['data'],
+                       turn_budget=turn_budget(plan['settings'], cfg.max_turns), seconds=seconds)
+        status = 'done'
     except (ValueError, OSError) as e:
+        status = 'failed'
         return error_exit(e, command='ragen_nb eval')
-    seconds = time.perf_counter() - start
-    print_tables(rows); print(f'{cfg.n} held-out rooms, {seconds:.0f} s' + (f'; tables in {cfg.output}' if cfg.output else ''))
-    if cfg.output:
-        write_json(cfg.output, rows, settings=dataclasses.asdict(cfg), seeds=plan['seeds'], data=plan['data'],
-                   turn_budget=turn_budget(plan['settings'], cfg.max_turns), seconds=seconds)
-        session.close('done')
+    finally:
+        if session is not None: session.close(status)
     return 0
 
 # %% ../nbs/21_cli.ipynb #b8343b00

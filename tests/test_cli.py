@@ -137,6 +137,20 @@ def test_eval_coordinates_reach_the_rollout_and_the_json(tmp_path, monkeypatch):
     assert [cfg.coordinates for cfg in seen] == [False, True]
 
 
+def test_an_eval_interrupted_or_failing_mid_play_closes_its_session(tmp_path, monkeypatch):
+    "Ctrl-C while the rooms are played leaves the session 'stopped', an error in them 'failed': never 'running' after the process ends."
+    import ragen_nb.cli as cli
+    def interrupted(cfg, plan): raise KeyboardInterrupt
+    def broken(cfg, plan): raise OSError('disk full')
+    args = ['eval', 'BASE=none', 'N=2', 'MAX_TURNS=2', 'SEARCH_DEPTH=4', 'TRAIN_ROOMS=5', f'OUTPUT={tmp_path/"eval.json"}']
+    monkeypatch.setattr(cli, 'eval_rows', interrupted)
+    with pytest.raises(KeyboardInterrupt): cli.main(args)
+    monkeypatch.setattr(cli, 'eval_rows', broken)
+    assert cli.main(args) == 2
+    sessions = json.loads((tmp_path/'run.json').read_text())['sessions']
+    assert [s['status'] for s in sessions] == ['stopped', 'failed'] and not (tmp_path/'eval.json').exists()
+
+
 def test_eval_data_with_too_few_rooms_names_the_fix(tmp_path):
     from ragen_nb.cli import EvalSettings, eval_plan, main
     main(['data', '--output', str(tmp_path), '--train_size', '3', '--test_size', '2'])
