@@ -15,7 +15,7 @@ from .tokens import Trajectory, LLM
 from .data import positions
 from .rollout import CLOSE, parse_reply
 from .viz import rooms_before_after
-from .stats import room_action_mi
+from .evaluate import room_action_mi
 
 # %% ../nbs/13_thinking.ipynb #69b22661
 THINK_OPEN, THINK_CLOSE = '<think>', '</think>'

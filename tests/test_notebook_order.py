@@ -9,12 +9,13 @@ def code(nb: Path) -> str:
     return '\n'.join(''.join(c['source']) for c in json.loads(nb.read_text())['cells'] if c['cell_type'] == 'code')
 
 def taught() -> dict[str, int]:
-    "Module name -> number of the notebook that exports it: its `#| default_exp`, and any module its cells name in `#| export NAME`."
+    "Module name -> number of the notebook that exports it (its `#| default_exp`)."
     out = {}
     for nb in NOTEBOOKS:
-        for name in set(re.findall(r'^#\|[ \t]*(?:default_exp|export)[ \t]+(\w+)[ \t]*$', code(nb), re.M)):
-            assert name not in out, f'{name} is exported by two notebooks'
-            out[name] = int(nb.name[:2])
+        m = re.search(r'^#\|\s*default_exp\s+(\w+)', code(nb), re.M)
+        if m:
+            assert m.group(1) not in out, f'{m.group(1)} is exported by two notebooks'
+            out[m.group(1)] = int(nb.name[:2])
     return out
 
 def used(nb: Path) -> set[str]:
