@@ -15,8 +15,7 @@ from fastcore.basics import patch
 from .sokoban import EnvSettings
 from .models import EMBEDDED, use_bf16
 from .data import DEFAULT_DATA_DIR, TEMPLATES
-from .rollout import RolloutConfig
-from .engines import ENGINES
+from .rollout import ENGINES, RolloutConfig
 from .advantages import ESTIMATORS, Estimator
 from .ppo import KL_KINDS
 from .starpo import FILTER_STRATEGIES, kept_groups

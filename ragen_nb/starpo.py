@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from .tokens import Trajectory
 from .advantages import room_groups, group_ids
-from .evaluate import room_action_mi
+from .stats import room_action_mi
 from .data import read_jsonl
 
 # %% ../nbs/11_starpo.ipynb #86716643

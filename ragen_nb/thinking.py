@@ -15,7 +15,7 @@ from .tokens import Trajectory, LLM
 from .data import positions
 from .rollout import CLOSE, parse_reply
 from .viz import rooms_before_after
-from .evaluate import room_action_mi
+from .stats import room_action_mi
 
 # %% ../nbs/13_thinking.ipynb #69b22661
 THINK_OPEN, THINK_CLOSE = '<think>', '</think>'
@@ -63,7 +63,7 @@ def grounding(thought: str, room: str) -> dict:
 
 # %% ../nbs/13_thinking.ipynb #fcbdc19a
 def thought_mi(rooms: list, thoughts: list[str], words: int = 8, seed: int = 0) -> dict:
-    "Room/thought MI (nats, Miller-Madow corrected), each thought summarised by its first `words` words, against its null over shuffles (`room_action_mi`, 10)."
+    "Room/thought MI (nats, Miller-Madow corrected), each thought summarised by its first `words` words, against its null over shuffles (`room_action_mi`, 09a)."
     return room_action_mi(rooms, [' '.join(t.split()[:words]) for t in thoughts], seed=seed)
 
 # %% ../nbs/13_thinking.ipynb #ec1fb36f

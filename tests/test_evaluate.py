@@ -4,7 +4,7 @@ import json, math
 import numpy as np
 import pytest
 
-from ragen_nb.evaluate import mi_from_counts, room_action_mi, wilson_interval
+from ragen_nb.stats import mi_from_counts, room_action_mi, wilson_interval
 
 
 # --- Wilson interval ---------------------------------------------------------------------------------------------

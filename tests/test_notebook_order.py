@@ -3,19 +3,23 @@ import json, re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT/'nbs').glob('[0-9][0-9]_*.ipynb'))
+NOTEBOOKS = sorted((ROOT/'nbs').glob('[0-9][0-9]*_*.ipynb'))   # 09a_stats sits between 09_ppo and 10_evaluate
+
+def number(nb: Path) -> str:
+    "A notebook's place in the course, '09' < '09a' < '10': the part of its name before the first _."
+    return nb.name.split('_')[0]
 
 def code(nb: Path) -> str:
     return '\n'.join(''.join(c['source']) for c in json.loads(nb.read_text())['cells'] if c['cell_type'] == 'code')
 
-def taught() -> dict[str, int]:
-    "Module name -> number of the notebook that exports it (its `#| default_exp`)."
+def taught() -> dict[str, str]:
+    "Module name -> `number` of the notebook that exports it (its `#| default_exp`)."
     out = {}
     for nb in NOTEBOOKS:
         m = re.search(r'^#\|\s*default_exp\s+(\w+)', code(nb), re.M)
         if m:
             assert m.group(1) not in out, f'{m.group(1)} is exported by two notebooks'
-            out[m.group(1)] = int(nb.name[:2])
+            out[m.group(1)] = number(nb)
     return out
 
 def used(nb: Path) -> set[str]:
@@ -31,8 +35,8 @@ def test_every_library_module_is_taught_by_a_notebook():
 def test_no_notebook_uses_a_later_notebooks_module():
     where, late = taught(), []
     for nb in NOTEBOOKS:
-        me = int(nb.name[:2])
-        late += [f'{nb.name} uses ragen_nb.{m}, taught in notebook {where[m]:02d}' for m in sorted(used(nb)) if where.get(m, -1) > me]
+        me = number(nb)
+        late += [f'{nb.name} uses ragen_nb.{m}, taught in notebook {where[m]}' for m in sorted(used(nb)) if where.get(m, '') > me]
     assert not late, '\n'.join(late)
 
 def test_the_check_catches_a_late_import(tmp_path):
@@ -41,7 +45,7 @@ def test_the_check_catches_a_late_import(tmp_path):
     cells = json.loads(nb.read_text())
     cells['cells'].append(dict(cell_type='code', source=['from ragen_nb.trainer import train'], metadata={}, outputs=[], execution_count=None))
     fake = tmp_path/nb.name; fake.write_text(json.dumps(cells))
-    assert 'trainer' in used(fake) and taught()['trainer'] > int(fake.name[:2])
+    assert 'trainer' in used(fake) and taught()['trainer'] > number(fake)
 
 def outputs(nb: Path) -> list[str]:
     "The text of every stored output of a notebook (streams, results, errors; images left out)."

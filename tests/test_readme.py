@@ -13,7 +13,7 @@ def test_readme_is_the_index_notebook():
 
 def test_readme_lists_every_notebook():
     readme = (ROOT/'README.md').read_text()
-    for nb in sorted((ROOT/'nbs').glob('[0-9][0-9]_*.ipynb')):
+    for nb in sorted((ROOT/'nbs').glob('[0-9][0-9]*_*.ipynb')):
         assert f'`{nb.stem}`' in readme, f'{nb.name} is missing from the README reading list'
 
 
