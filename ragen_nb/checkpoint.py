@@ -16,7 +16,7 @@ from torch import nn
 from safetensors.torch import save_file
 
 from .models import files_problem, is_lora, load_model, quiet_hf_bars, with_lora
-from .masking import HEAD_FILE, ValueModel
+from .critic import HEAD_FILE, ValueModel
 
 # %% ../nbs/16_checkpoint.ipynb #5f4bd402
 STATE_FILE = 'state.pt'

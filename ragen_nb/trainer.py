@@ -24,8 +24,8 @@ from .models import bf16_compute, is_lora, load_model, load_tokenizer, resolve, 
 from .tokens import LLM, Trajectory
 from .data import SPLITS, DEFAULT_SPLITS, curated, load_split, split_seeds
 from .rollout import episode_metrics, mixed_seed, rollout
-from .masking import (HEAD_FILE, Batch, SharedStart, ValueModel, collate, masked_mean, llm_forward, packed_forward,
-                              policy_and_values, shared_prefix_length)
+from .masking import Batch, SharedStart, collate, masked_mean, llm_forward, packed_forward, shared_prefix_length
+from .critic import HEAD_FILE, ValueModel, policy_and_values
 from .gae import whiten
 from .advantages import EstimatorInput, TurnTable
 from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss, lr_schedule

@@ -7,7 +7,7 @@ from accelerate import Accelerator
 
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.config import Config
-from ragen_nb.masking import ValueModel
+from ragen_nb.critic import ValueModel
 from ragen_nb.trainer import Processes, ppo_step
 from tiny import uneven_batch
 

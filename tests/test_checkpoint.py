@@ -11,7 +11,8 @@ import torch
 from ragen_nb.checkpoint import latest_checkpoint
 from ragen_nb.cli import train_main
 from ragen_nb.config import RAGEN_ENV_VARS, Config
-from ragen_nb.masking import ValueModel, collate, forward_logprobs
+from ragen_nb.masking import collate, forward_logprobs
+from ragen_nb.critic import ValueModel
 from ragen_nb.models import load_tokenizer, tiny_model
 from ragen_nb.trainer import TRAIN_METRICS, make_optimizers, ppo_step, train
 from ragen_nb.viz import read_records

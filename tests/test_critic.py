@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ragen_nb.masking import ValueModel, collate, forward_values, token_logprobs
+from ragen_nb.masking import collate, token_logprobs
+from ragen_nb.critic import ValueModel, forward_values
 from ragen_nb.models import tiny_model
 from ragen_nb.ppo import entropy_from_logits
 from tiny import episode
@@ -46,7 +47,7 @@ def test_forward_values_zero_on_padding(tok):
 
 
 def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
-    from ragen_nb.masking import policy_and_values
+    from ragen_nb.critic import policy_and_values
     actor = tiny_model(tok); critic = ValueModel.on_actor(actor, seed=3)
     b = collate([episode(tok, 'Up', 1., 0), episode(tok, 'Left', 0., 1)], tok.pad_token_id)
     logprobs, entropies, values = policy_and_values(actor, critic, b, temperature=2.0)
@@ -62,7 +63,7 @@ def test_shared_critic_is_a_head_on_the_actors_final_hidden_state(tok):
 
 
 def test_value_loss_never_reaches_the_actors_weights_shared_critic_or_not(tok):
-    from ragen_nb.masking import policy_and_values
+    from ragen_nb.critic import policy_and_values
     b = collate([episode(tok, 'Up', 1., 0)], tok.pad_token_id)
     grads = {}
     for kind in ('shared', 'separate'):

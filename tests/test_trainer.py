@@ -19,7 +19,8 @@ import ragen_nb.trainer as trainer
 from ragen_nb.checkpoint import latest_checkpoint
 from ragen_nb.config import RAGEN_ENV_VARS, Config
 from ragen_nb.gae import gae, whiten
-from ragen_nb.masking import ValueModel, collate, forward_logprobs, forward_values, masked_mean, token_logprobs
+from ragen_nb.masking import collate, forward_logprobs, masked_mean, token_logprobs
+from ragen_nb.critic import ValueModel, forward_values
 from ragen_nb.models import tiny_model, with_lora
 from ragen_nb.ppo import entropy_from_logits
 from ragen_nb.tokens import LLM, PROMPT, Trajectory
