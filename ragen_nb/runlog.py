@@ -19,7 +19,8 @@ import ragen_nb
 from .tokens import Trajectory
 from .data import read_jsonl
 from .viz import save_trajectory_images, write_rollouts
-from .starpo import collapsing, collapse_warning, plot_run
+from .starpo import collapsing, collapse_warning
+from .curves import plot_run
 from .config import Config, RAGEN_ENV_VARS
 from .checkpoint import BEST_FILE, save_checkpoint
 

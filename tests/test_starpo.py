@@ -7,9 +7,9 @@ from ragen_nb.advantages import group_ids, room_groups
 import json
 from pathlib import Path
 from PIL import Image
-from ragen_nb.starpo import (PANELS, STUCK_AT, STUCK_STEPS, collapse_metrics, collapse_warning, collapsing, echo_trap, filter_groups,
-                             filter_metrics, first_actions, group_reward_std, kept_groups, plot_run, read_metrics, series, stuck_share,
-                             synthetic_metrics, top_p_groups)
+from ragen_nb.starpo import (STUCK_AT, STUCK_STEPS, collapse_metrics, collapse_warning, collapsing, echo_trap, filter_groups,
+                             filter_metrics, first_actions, group_reward_std, kept_groups, stuck_share, top_p_groups)
+from ragen_nb.curves import PANELS, plot_run, read_metrics, series, synthetic_metrics
 
 RUNS = Path(__file__).resolve().parents[1]/'data'/'runs'
 from ragen_nb.tokens import Trajectory

@@ -13,7 +13,7 @@ from ragen_nb.viz import (write_rollouts, read_rollouts, read_records, find_room
                           trajectory_figure, save_trajectory_images, describe_turn, font_families, quiet_glyphs,
                           small_image)
 from ragen_nb.data import read_jsonl
-from ragen_nb.starpo import plot_run, synthetic_metrics
+from ragen_nb.curves import plot_run, synthetic_metrics
 from ragen_nb.widget import token_strip, TrajectoryWidget
 
 SETTINGS = EnvSettings(dim_x=6, dim_y=6, num_boxes=1, max_steps=5, search_depth=30)
