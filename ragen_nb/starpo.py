@@ -71,7 +71,7 @@ GROUP_METRICS = {
     'filter/all_reward_std': 'mean within-group std of total reward over all groups, before the filter (collapse watch)',
     'collapse/zero_std_share': "share of room groups whose rollouts all earned the same total reward: no signal for GRPO, first to go in the filter",
     'collapse/first_actions': 'distinct first actions in the batch, an unparsable answer counting as one more',
-    'collapse/room_action_mi': 'mutual information (nats, Miller–Madow corrected) between room group and first action (10)',
+    'collapse/room_action_mi': 'mutual information (nats, Miller–Madow corrected) between room group and first action (09a)',
     'collapse/room_action_mi_null': 'the same with the first actions shuffled across rooms (20 shuffles): what a room-blind policy scores',
     'collapse/room_action_mi_null_std': 'std of that null over the shuffles',
     'collapse/detected': '1 when the first action carries no information about the room: MI <= null + 2 null std; else 0',

@@ -333,7 +333,7 @@ TRAIN_METRICS = {
     'start/true_start_success': 'share of those that solved their room',
     'rollout/engine': "the engine that sampled the rollouts, 'hf', 'decode' or 'vllm' (ROLLOUT_ENGINE=auto picks vllm when it is installed)",
     'val/success_rate': 'share of validation episodes solved at val_temperature, on the VAL_ROOMS train rooms withheld from training (validation steps only, as every val/ key)',
-    'val/success_low': 'lower end of the 95% Wilson interval of val/success_rate, over rooms (10)',
+    'val/success_low': 'lower end of the 95% Wilson interval of val/success_rate, over rooms (09a)',
     'val/success_high': 'upper end of that interval',
     'val/valid_action_rate': 'share of validation turns whose answer parsed to an action',
     'val/mean_reward': 'total reward per validation episode',
