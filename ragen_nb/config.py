@@ -154,6 +154,7 @@ EPISODE_SETTINGS = tuple(f.name for f in dataclasses.fields(EpisodeSettings))
 
 # %% ../nbs/15_config.ipynb #e0f970b1
 LR_SCHEDULERS = ('constant', 'linear', 'cosine')
+LOG_MODES = ('console', 'wandb')
 
 @dataclasses.dataclass
 class RunSettings(EpisodeSettings):
@@ -174,6 +175,7 @@ class RunSettings(EpisodeSettings):
     warmup_steps_ratio: float = setting(0.0, "share of TOTAL_STEPS over which the learning rate rises linearly from 0 (verl's name)")
     grad_clip: float = setting(1.0, 'max gradient norm')
     share_prefix: bool = setting(False, 'run the prompt start a micro-batch shares once per forward pass (05: the same logprobs up to float error)')
+    log_mode: str = setting('console', "'console', 'wandb' or both comma-separated; console is always on (17)", env=True)
 
     def validate(self):
         "Raise ValueError naming the first shared setting that is out of range; return self."
@@ -185,11 +187,12 @@ class RunSettings(EpisodeSettings):
         _check(self.grad_clip > 0, f"grad_clip={self.grad_clip}: must be > 0")
         _check(self.lr_scheduler in LR_SCHEDULERS, f"lr_scheduler={self.lr_scheduler!r}: must be one of {LR_SCHEDULERS}")
         _check(0 <= self.warmup_steps_ratio < 1, f"warmup_steps_ratio={self.warmup_steps_ratio}: must be in [0, 1)")
+        _check(bool(self.log_mode) and all(m in LOG_MODES for m in self.log_mode.split(',')),
+               f"log_mode={self.log_mode!r}: must be one or more of {LOG_MODES}, comma-separated")
         _check(not self.test_freq or self.val_rooms >= 1, f"test_freq={self.test_freq} validates on VAL_ROOMS rooms: set VAL_ROOMS >= 1, or TEST_FREQ=0")
         return self
 
 # %% ../nbs/15_config.ipynb #0de70ad9
-LOG_MODES = ('console', 'wandb')
 CRITICS = ('separate', 'shared')
 RAGEN_RECIPES = {   # RAGEN's published runs, sized for its GPUs; give BASE_MODEL too (RAGEN V1 used Qwen/Qwen2.5-0.5B-Instruct)
     'ragen-v1-ppo': ['TRAIN_BATCH_SIZE=128', 'GROUP_SIZE=16', 'PPO_BATCH_SIZE=32', 'MAX_TURNS=5', 'ADV_ESTIMATOR=gae',
@@ -238,8 +241,7 @@ class Config(RunSettings):
     rollout_filter_strategy: str = setting('top_k', "'top_k': that fraction of the groups (RAGEN V1); 'top_p': the fewest groups whose stds cover that fraction of the summed std, none of zero std (RAGEN-2: 0.9)")
     ppo_batch_size: int = setting(64, 'trajectories per optimizer step; must divide the trajectories the filter keeps', env=True)
     num_update_per_roll: int = setting(1, 'PPO epochs over each rollout batch', env=True)
-    # -- RAGEN's other exported variables: the logger, gradient checkpointing, devices (17, 14)
-    log_mode: str = setting('console', "'console', 'wandb' or both comma-separated; console is always on", env=True)
+    # -- RAGEN's other exported variables: gradient checkpointing, devices (14)
     gcp: bool = setting(True, 'gradient checkpointing in the actor and critic', env=True)
     n_gpus: int = setting(1, "accepted from RAGEN's train.sh and checked against SHARE_PREFIX and ROLLOUT_TP_SIZE; the processes are those `accelerate launch` starts", env=True)
     rollout_tp_size: int = setting(1, 'tensor-parallel size of the vLLM engine', env=True)
@@ -405,11 +407,12 @@ def _check_update(self: Config):
 # %% ../nbs/15_config.ipynb #d6577514
 @patch
 def _check_sampling(self: Config):
-    "How rollouts are sampled (10, 14): tensor parallelism over N_GPUS, validation's samples, the engine and its memory."
+    "How rollouts are sampled (10, 14, 16): tensor parallelism over N_GPUS, validation's samples and the checkpoint it keeps, the engine and its memory."
     _check(self.n_gpus % self.rollout_tp_size == 0, f"rollout_tp_size={self.rollout_tp_size} must divide n_gpus={self.n_gpus}")
     _check(not (self.val_samples > 1 and self.val_temperature == 0),
            f"val_samples={self.val_samples} with val_temperature=0 repeats one greedy episode: "
            "set VAL_TEMPERATURE > 0 or VAL_SAMPLES=1")
+    _check(not self.keep_best or self.test_freq, 'keep_best=True keeps the checkpoint validation prefers: set TEST_FREQ > 0 (e.g. 5)')
     _check(self.rollout_engine in ENGINES, f"rollout_engine={self.rollout_engine!r}: must be one of {ENGINES}")
     _check(not (self.rollout_engine == 'vllm' and self.rollout_tp_size > 1),
            f"rollout_tp_size={self.rollout_tp_size} with rollout_engine='vllm': the engine's weight sync reaches "
@@ -446,14 +449,6 @@ def _check_algorithm(self: Config):
            "ratio at 1: set RECOMPUTE_OLD_LOGPROBS=auto, or BF16=false")
     _check(self.format_penalty <= 0, f"format_penalty={self.format_penalty}: must be <= 0, or invalid answers pay")
 
-# %% ../nbs/15_config.ipynb #51ed4e7e
-@patch
-def _check_logging(self: Config):
-    "Logging and the kept checkpoint (16, 17)."
-    _check(bool(self.log_mode) and all(m in LOG_MODES for m in self.log_mode.split(',')),
-           f"log_mode={self.log_mode!r}: must be one or more of {LOG_MODES}, comma-separated")
-    _check(not self.keep_best or self.test_freq, 'keep_best=True keeps the checkpoint validation prefers: set TEST_FREQ > 0 (e.g. 5)')
-
 # %% ../nbs/15_config.ipynb #a8b98d65
 @patch
 def _check_curricula(self: Config):
@@ -475,6 +470,5 @@ def validate(self: Config) -> Config:
     self._check_update()
     self._check_sampling()
     self._check_algorithm()
-    self._check_logging()
     self._check_curricula()
     return self

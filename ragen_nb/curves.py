@@ -38,7 +38,7 @@ PANELS = (('success rate', ('train/success_rate', 'val/success_rate')),
           ('distinct first actions', ('collapse/first_actions',)),
           ('LLM tokens per trajectory', ('response/llm_tokens',)),
           ('KL', ('actor/approx_kl', 'actor/kl_ref')),
-          ('losses', ('actor/pg_loss', 'critic/vf_loss')),
+          ('losses', ('actor/pg_loss', 'critic/vf_loss', 'loss')),
           ('seconds per step', ('timing/rollout', 'timing/update', 'timing/sync', 'timing/validate')))
 
 def flagged_regions(records: list[dict], key: str = 'collapse/detected') -> list[tuple[float, float]]:

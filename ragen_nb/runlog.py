@@ -21,7 +21,7 @@ from .data import read_jsonl
 from .viz import save_trajectory_images, write_rollouts
 from .starpo import collapsing, collapse_warning
 from .curves import plot_run
-from .config import Config, RAGEN_ENV_VARS
+from .config import Config, RunSettings, RAGEN_ENV_VARS
 from .checkpoint import BEST_FILE, save_checkpoint
 
 # %% ../nbs/17_runlog.ipynb #ff67b8a8
@@ -135,7 +135,7 @@ def error_exit(e: BaseException, status: int = 2, command: str = '') -> int:
     return status
 
 # %% ../nbs/17_runlog.ipynb #7d4d00d4
-def start_wandb(cfg: Config, run: Path):
+def start_wandb(cfg: RunSettings, run: Path):
     "A wandb run when `log_mode` includes wandb (offline without WANDB_API_KEY), else None; a failure warns and returns None."
     if 'wandb' not in cfg.log_mode.split(','): return None
     try:
@@ -147,13 +147,13 @@ def start_wandb(cfg: Config, run: Path):
         return None
 
 class RunLog:
-    "Where a run's outputs go: its folder, `metrics.jsonl`, wandb, `rollouts.jsonl` with drawn trajectories, checkpoints and the console. Only the main process writes; on the others every method does nothing."
-    def __init__(self, run: Path, cfg: Config, done: int, main: bool = True, argv: list[str] | None = None):
+    "Where a run's outputs go: its folder, `metrics.jsonl`, wandb, `rollouts.jsonl` with drawn trajectories, checkpoints and the console; `kind` names the command in run.json ('train', or 'sft', which logs no trajectories). Only the main process writes; on the others every method does nothing."
+    def __init__(self, run: Path, cfg: RunSettings, done: int, main: bool = True, argv: list[str] | None = None, kind: str = 'train'):
         self.run, self.cfg, self.main, self.collapsed, self.records, self.file, self.wandb = run, cfg, main, False, [], None, None
         if not main: return
         run.mkdir(parents=True, exist_ok=True)
         for name in ('metrics.jsonl', 'rollouts.jsonl'): keep_steps(run/name, done)   # a resumed run's files read as one run
-        self.run_file = RunRecord(run, 'train', argv, dataclasses.asdict(cfg))   # run.json: what runs, from where, on what
+        self.run_file = RunRecord(run, kind, argv, dataclasses.asdict(cfg))   # run.json: what runs, from where, on what
         self.file, self.wandb = (run/'metrics.jsonl').open('a'), start_wandb(cfg, run)
 
     def say(self, line: str, error: bool = False):
@@ -190,7 +190,7 @@ class RunLog:
             self.wandb.log({'trajectories': [wandb.Image(str(p)) for p in paths if p.suffix == '.png']}, step=step)
         except Exception as e: warnings.warn(f"wandb image logging failed ({e}); stopping wandb"); self.wandb = None
 
-    def checkpoint(self, step: int, actor, tok, critic, actor_opt, critic_opt, files: dict | None = None) -> Path | None:
+    def checkpoint(self, step: int, actor, tok, critic=None, actor_opt=None, critic_opt=None, files: dict | None = None) -> Path | None:
         "`save_checkpoint` of the run at `step`, with its settings and `files` (JSON beside them); the path (None on other processes)."
         if not self.main: return None
         return save_checkpoint(self.run, step, actor, tok, critic, actor_opt, critic_opt, config=dataclasses.asdict(self.cfg), files=files)

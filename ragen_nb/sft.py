@@ -8,7 +8,7 @@ __all__ = ['FORMAT_TAGS', 'SFT_FILE', 'answer_text', 'bfs_path', 'box_goes', 'sc
            'val_seeds', 'demonstration_stream', 'play_heldout', 'sft', 'sft_main']
 
 # %% ../nbs/19_sft.ipynb #44ff93b2
-import dataclasses, itertools, json, sys, time
+import dataclasses, itertools, sys, time
 from pathlib import Path
 from typing import ClassVar, Iterator
 
@@ -28,8 +28,7 @@ from .models import bf16_compute, check_model, default_device, load_model, load_
 from .evaluate import heldout_seeds, play, trajectory_metrics
 from .engines import SharedPrefixEngine
 from .config import RunSettings, setting
-from .checkpoint import save_checkpoint
-from .runlog import RunRecord, claim_run, error_exit
+from .runlog import RunLog, claim_run, error_exit
 from .ppo import lr_schedule
 
 # %% ../nbs/19_sft.ipynb #c2b0bf39
@@ -249,11 +248,10 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
     if cfg.lora_rank: model = with_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = lr_schedule(opt, cfg)
-    run_file, status = RunRecord(run, 'sft', argv, dataclasses.asdict(cfg)), 'stopped'   # run.json, and how it ends unless the loop does
+    log, status = RunLog(run, cfg, done=0, argv=argv, kind='sft'), 'stopped'   # metrics.jsonl, run.json, wandb, curves.png; the status unless the loop ends
     seen, record, checkpoint = dict(examples=0, answers=0, tokens=0, train_s=0., train_cpu_s=0.), {}, None
     try:
-        with (run/'metrics.jsonl').open('w') as log, tqdm(range(1, cfg.total_steps + 1), desc=cfg.experiment_name,
-                                                          disable=not progress) as bar:
+        with tqdm(range(1, cfg.total_steps + 1), desc=cfg.experiment_name, disable=not progress) as bar:
             for step in bar:
                 t0, c0, lr = time.perf_counter(), time.process_time(), schedule.get_last_lr()[0]
                 out = sft_step(model, opt, batch, tok.pad_token_id, cfg.micro_batch_size, cfg.grad_clip, cfg.share_prefix, step, bf16)
@@ -266,14 +264,14 @@ def sft(cfg: SFTConfig, progress: bool = True, argv: list[str] | None = None) ->
                     t1 = time.perf_counter()
                     record.update(play_heldout(model, tok, heldout, settings, rollout_cfg))
                     record['val/seconds'] = time.perf_counter() - t1
-                log.write(json.dumps(record) + '\n'); log.flush(); run_file.update(step=step)
+                log.write(record)
                 if cfg.save_freq and step % cfg.save_freq == 0 or step == cfg.total_steps:
-                    checkpoint = save_checkpoint(run, step, model, tok, config=dataclasses.asdict(cfg), files={SFT_FILE: dict(step=step, metrics=record)})
+                    checkpoint = log.checkpoint(step, model, tok, files={SFT_FILE: dict(step=step, metrics=record)})
                 bar.set_postfix_str(f"loss {out['loss']:.3f}" + (f" solved {record['val/success_rate']:.2f}" if 'val/success_rate' in record else ''))
                 if step < cfg.total_steps: batch = [next(stream) for _ in range(cfg.train_batch_size)]
         status = 'done'
     except FloatingPointError: status = 'failed'; raise
-    finally: run_file.close(status)
+    finally: log.close(status)
     return dict(run=str(run), metrics=record, checkpoint=str(checkpoint), model=model)
 
 # %% ../nbs/19_sft.ipynb #4604a877

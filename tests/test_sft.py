@@ -255,9 +255,9 @@ def test_help_lists_every_setting_with_its_doc(capsys):
     for f in dataclasses.fields(SFTConfig): assert f'{f.name.upper()}={f.default}' in text
     assert text == SFTConfig.help() + '\n'
     assert issubclass(SFTConfig, RunSettings) and text.startswith('ragen_nb sft KEY=value')
-    env = SFTConfig.env_vars()   # RAGEN's exported variables that SFT reads: the room and episode limits, not the run's
+    env = SFTConfig.env_vars()   # RAGEN's exported variables that SFT reads: the room and episode limits and the logger, not the run's sizes
     assert env == ('DATA_DIR', 'DIM_X', 'DIM_Y', 'NUM_BOXES', 'MAX_STEPS', 'SEARCH_DEPTH', 'MAX_START_LENGTH',
-                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS', 'BASE_MODEL')
+                   'MAX_RESPONSE_LENGTH', 'MAX_OBS_LENGTH', 'MAX_TURNS', 'BASE_MODEL', 'LOG_MODE')
     for f in dataclasses.fields(SFTConfig): assert (f'[env {f.name.upper()}]' in text) == (f.name.upper() in env)
 
 
@@ -313,7 +313,8 @@ def test_a_run_counts_schedules_saves_and_validates_as_set(tok, tiny_dir, tmp_pa
     assert [round(r['lr'], 6) for r in rows] == [0.0, 0.005, 0.01, 0.005]                # warm-up 2 steps, then linear to 0
     assert [r.get('val/rooms') for r in rows] == [None, None, 3, 3]                     # every 3 steps and after the last
     assert rows[-1]['rooms_skipped'] > 0 and rows[-1]['answers'] <= 2 * rows[-1]['examples']   # MAX_TURNS=2: rooms of 1-2 moves
-    assert sorted(p.name for p in (tmp_path/'run').iterdir()) == ['global_step_2', 'global_step_4', 'metrics.jsonl', 'run.json']
+    assert sorted(p.name for p in (tmp_path/'run').iterdir()) == ['curves.png', 'global_step_2', 'global_step_4', 'metrics.jsonl', 'run.json']
+    assert (tmp_path/'run'/'curves.png').read_bytes()[:4] == b'\x89PNG'                  # drawn by RunLog.close, as train's
     saved = json.loads((tmp_path/'run'/'global_step_4'/SFT_FILE).read_text())
     saved['config'] = json.loads((tmp_path/'run'/'global_step_4'/'settings.json').read_text())   # the run's settings, beside it
     session, = json.loads((tmp_path/'run'/'run.json').read_text())['sessions']                # the command's own record
