@@ -74,6 +74,7 @@ class TurnTable:
     "A batch's episodes turn by turn, padded to its longest episode: what the group estimators read."
     total: torch.Tensor     # (B,) total reward of each episode
     success: torch.Tensor   # (B,) 1. if the episode solved its room, else 0.
+    clean: torch.Tensor     # (B,) 1. if it solved its room and every move changed the room (no wall walked into, no unparsable answer), else 0.
     rewards: torch.Tensor   # (B, T) reward of each turn; 0 past an episode's last turn
     solved: torch.Tensor    # (B, T) 1. on the turn that solved the room, else 0.: MaxRL's per-turn score
     turns: torch.Tensor     # (B,) turns each episode played
@@ -88,7 +89,9 @@ class TurnTable:
         for i, t in enumerate(trajs):
             rewards[i, :len(t.rewards)] = torch.tensor(t.rewards)
             if t.success: solved[i, len(t.rewards) - 1] = 1.
+        def clean(t): return t.success and all(after != before for before, after in zip([t.room] + t.observations, t.observations))
         return cls(total=torch.tensor([t.total_reward for t in trajs]), success=torch.tensor([float(t.success) for t in trajs]),
+                   clean=torch.tensor([float(clean(t)) for t in trajs]),
                    rewards=rewards, solved=solved, turns=torch.tensor([len(t.rewards) for t in trajs]),
                    states=[[t.room] + t.observations[:len(t.rewards) - 1] for t in trajs], groups=groups)
 
@@ -103,7 +106,7 @@ class TurnTable:
         T, offset, parts = max(t.rewards.shape[1] for t in tables), 0, []
         def pad(x): return torch.nn.functional.pad(x, (0, T - x.shape[1]))
         for t in tables: parts.append(t.groups + offset); offset += int(t.groups.max()) + 1
-        return cls(torch.cat([t.total for t in tables]), torch.cat([t.success for t in tables]),
+        return cls(torch.cat([t.total for t in tables]), torch.cat([t.success for t in tables]), torch.cat([t.clean for t in tables]),
                    torch.cat([pad(t.rewards) for t in tables]), torch.cat([pad(t.solved) for t in tables]),
                    torch.cat([t.turns for t in tables]), [s for t in tables for s in t.states], torch.cat(parts))
 
@@ -203,6 +206,7 @@ ESTIMATORS = {e.name: e for e in (
     Estimator('brpo', False, False, _outcome('total', 'brpo'), 'total reward against the whole batch, by its std'),
     Estimator('arpo', False, False, _outcome('total', 'arpo'), 'the raw total reward'),
     Estimator('maxrl', False, True, _outcome('success', 'maxrl'), 'success against its room group, by its mean'),
+    Estimator('maxrl_clean', False, True, _outcome('clean', 'maxrl'), 'MaxRL on success without a move that changed nothing'),
     Estimator('gigpo', False, True, lambda x, cfg: x.on_tokens(gigpo(x.table, cfg.gigpo_norm, cfg.high_level_gamma, cfg.step_adv_coef)),
               'episode and turn credit from the states a room group shared'),
 )}

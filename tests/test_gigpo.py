@@ -105,3 +105,18 @@ def test_advantages_reach_only_their_turns_llm_tokens():
     out = on_tokens(torch.tensor([[1.5, -2.0], [4.0, 0.0]]), b.turn_ids, b.loss_mask)
     assert out[0].tolist() == [0, 0, 1.5, 1.5, 0, -2.0, -2.0, -2.0, 0]
     assert out[1].tolist() == [0, 0, 4.0] + [0] * 6
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10**6))
+def test_clean_success_is_success_with_every_move_effective(seed):
+    "`TurnTable.clean` (read from the room texts) against the env's own `action_is_effective`, replayed move by move; an invalid answer is never effective."
+    trajs = batch(random.Random(seed), 2)
+    want = []
+    for t in trajs:
+        env, effective = SokobanEnv(SETTINGS), []
+        env.reset(seed=t.seed)
+        for a in t.actions: effective.append(a is not None and env.step(a)[3]['action_is_effective'])
+        want.append(float(t.success and all(effective)))
+    table = TurnTable.of(trajs, 2)
+    assert table.clean.tolist() == want
+    assert ((table.clean == 1) <= (table.success == 1)).all()   # clean is a kind of success

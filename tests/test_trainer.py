@@ -207,6 +207,17 @@ def test_maxrl_scores_success_not_reward(tok, monkeypatch):
         torch.testing.assert_close(adv[row][m[row]], torch.full((int(m[row].sum()),), want), atol=1e-6, rtol=1e-6)
 
 
+
+def test_maxrl_clean_scores_a_wasted_move_as_a_failure(tok, monkeypatch):
+    calls = spy(monkeypatch, 'group_normalise', advantages)
+    trajs = two_rooms(tok)
+    for t, solved, seen in zip(trajs, [True, True, True, False], [['b', 'c'], ['a', 'c'], ['b', 'b'], ['b', 'c']]):
+        t.success, t.room, t.observations = solved, 'a', seen                # from room 'a'; rollouts 1 and 2 waste a move
+    step_with(tok, trajs, ADV_ESTIMATOR='maxrl_clean', GROUP_SIZE=2)
+    scores, groups, how = calls[0]
+    assert how == 'maxrl' and groups.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(scores, torch.tensor([1., 0., 0., 0.]))   # solved, but not cleanly, scores as unsolved
+
 @pytest.mark.parametrize('norm', ['grpo', 'brpo', 'arpo'])
 def test_critic_free_estimators_score_room_groups_and_feed_the_policy_loss(tok, monkeypatch, norm):
     calls, used = spy(monkeypatch, 'group_normalise', advantages), spy(monkeypatch, 'policy_loss')
