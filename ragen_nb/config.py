@@ -299,6 +299,7 @@ class Config(RunSettings):
     start_advance_at: float = setting(0.5, "move the starts back a move once this share of a step's episodes started there succeed")
     start_true_share: float = setting(0.25, 'share of rooms started at their true start, wherever the start curriculum stands')
     start_easier_share: float = setting(0.25, "share of rooms started nearer the goal than the start curriculum's frontier, so what was learnt stays learnt")
+    distance_shaping: float = setting(0.0, "α of CAST's solver-distance shaping (12): each turn's reward gains α·asinh(N(s) − N(s′)), N the moves BFS needs (within SEARCH_DEPTH); uses the solver; 0: off")
 
 RAGEN_ENV_VARS = Config.env_vars()
 
@@ -354,7 +355,7 @@ def _check_bounds(self: Config):
     for name in ('group_size', 'ppo_batch_size', 'num_update_per_roll', 'n_gpus', 'rollout_tp_size', 'val_samples', 'eval_rooms', 'eval_samples',
                  'log_image_step_size', 'log_n_image_per_batch'):
         _check(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: must be at least 1")
-    for name in ('entropy_coef', 'entropy_floor', 'kl_coef', 'kl_loss_coef', 'dual_clip', 'val_temperature', 'step_adv_coef', 'curriculum_steps'):
+    for name in ('entropy_coef', 'entropy_floor', 'kl_coef', 'kl_loss_coef', 'dual_clip', 'val_temperature', 'step_adv_coef', 'curriculum_steps', 'distance_shaping'):
         _check(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: must be >= 0")
     for name in ('actor_lr', 'critic_lr', 'clip_ratio_low', 'clip_ratio_high', 'value_clip', 'temperature'):
         _check(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
@@ -452,12 +453,17 @@ def _check_algorithm(self: Config):
 # %% ../nbs/15_config.ipynb #a8b98d65
 @patch
 def _check_curricula(self: Config):
-    "The start curriculum and the curriculum's first steps (12)."
+    "The start curriculum, the curriculum's first steps and the solver-distance shaping (12)."
     _check(self.start_moves >= 1, f"start_moves={self.start_moves}: a start must leave at least one move to play")
     _check(0 < self.start_advance_at <= 1, f"start_advance_at={self.start_advance_at}: must be in (0, 1]")
     _check(self.start_true_share >= 0 and self.start_easier_share >= 0 and self.start_true_share + self.start_easier_share <= 1,
            f"start_true_share={self.start_true_share} and start_easier_share={self.start_easier_share}: shares of the rooms, "
            "each >= 0, together at most 1")
+    reads_success = self.adv_estimator in ('maxrl', 'maxrl_clean') or (self.adv_estimator == 'gigpo' and self.gigpo_norm == 'maxrl')
+    _check(not (self.distance_shaping and reads_success),
+           f"distance_shaping={self.distance_shaping} enters each turn's reward, which adv_estimator={self.adv_estimator!r} "
+           f"(gigpo_norm={self.gigpo_norm!r}) never reads: it scores success. Set ADV_ESTIMATOR=grpo, gae or bilevel_gae, "
+           "or gigpo with GIGPO_NORM=grpo")
     if self.curriculum_steps: self.at_step(1)   # raises a ValueError naming a bad curriculum setting
 
 # %% ../nbs/15_config.ipynb #848cbd0d

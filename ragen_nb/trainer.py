@@ -31,7 +31,7 @@ from .advantages import EstimatorInput, TurnTable
 from .ppo import policy_loss, value_loss, explained_variance, kl_in_reward, kl_loss, lr_schedule
 from .evaluate import play, trajectory_metrics, turn_budget
 from .starpo import GROUP_METRICS, filter_groups, filter_metrics, collapse_metrics
-from .starts import StartSchedule, solution, start_state
+from .starts import StartSchedule, distance_shaping, solution, start_state
 from .thinking import THINK_METRICS, thought_metrics
 from .engines import choose_engine, logprob_mismatch_kl, make_engine
 from .config import Config
@@ -554,6 +554,9 @@ def train(cfg: Config, progress: bool = True, argv: list[str] | None = None) -> 
                     trajs = rollout(engine, s.tok, seeds[mine], stage.env_settings, stage.rollout_config(),
                                     seed=mixed_seed(cfg.seed, step * procs.world + procs.rank), rooms=starts and starts[mine])
                     ran = dict(getattr(engine, 'stats', {}))   # the rollout's own (DecodeEngine counts them, 14), before validation adds more
+                    if cfg.distance_shaping:   # the solver's view of each move, in its turn's reward (12)
+                        depth = stage.env_settings.search_depth
+                        for t in trajs: t.rewards = [r + d for r, d in zip(t.rewards, distance_shaping(t, cfg.distance_shaping, depth))]
                     kept, keep = filter_groups(trajs, cfg.group_size, cfg.rollout_filter_ratio, cfg.rollout_filter_strategy)
                 # 2. Score (old logprobs, values, advantages) and 3. update (PPO minibatches); the engine frees its memory meanwhile
                 lr = s.actor_opt.param_groups[0]['lr']

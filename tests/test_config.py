@@ -57,6 +57,9 @@ def test_from_args_converts_and_accepts_both_spellings():
     (['ADV_ESTIMATOR=ppo'], 'adv_estimator'),
     (['ADV_ESTIMATOR=grpo'], 'GROUP_SIZE >= 2'),                     # GRPO compares rollouts of one room
     (['ADV_ESTIMATOR=maxrl'], 'GROUP_SIZE >= 2'),                    # so does MaxRL
+    (['DISTANCE_SHAPING=-0.1'], 'distance_shaping'),
+    (['DISTANCE_SHAPING=0.1', 'ADV_ESTIMATOR=maxrl_clean', 'GROUP_SIZE=4', 'KL_COEF=0'], 'never reads'),   # MaxRL scores success only
+    (['DISTANCE_SHAPING=0.1', 'ADV_ESTIMATOR=gigpo', 'GROUP_SIZE=4', 'KL_COEF=0'], 'GIGPO_NORM=grpo'),     # so does GiGPO's default
     (['ADV_ESTIMATOR=brpo', 'PER_TURN_REWARDS=True'], 'PER_TURN_REWARDS=False'),
     (['ADV_ESTIMATOR=arpo', 'GROUP_SIZE=2'], 'KL_LOSS_COEF'),             # k1 penalties would rank tied groups by KL noise
     (['KL_LOSS_COEF=0.01'], 'KL_COEF=0'),                            # KL in the reward and in the loss at once

@@ -1,5 +1,5 @@
 "The start-state curriculum: starts on the solver's path, the schedule on a scripted learner, and a run that trains near the goal while validation and evaluation play true starts only."
-import collections, json
+import collections, json, math
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,8 @@ import ragen_nb.evaluate as evaluate
 import ragen_nb.trainer as trainer
 from ragen_nb.config import Config
 from ragen_nb.sokoban import EnvSettings, SokobanEnv, room_from_text, solve
-from ragen_nb.starts import StartSchedule, solution, start_state
+from ragen_nb.starts import StartSchedule, distance_shaping, solution, start_state
+from ragen_nb.tokens import Trajectory
 
 ROOMS = EnvSettings(search_depth=30)   # RAGEN's setting: rooms of 1 to 9 moves
 
@@ -108,3 +109,52 @@ def test_evaluation_plays_true_starts(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, 'rollout', spy)
     assert cli.main(['eval', f'MODEL={tiny_dir}', 'BASE=none', 'N=3', 'MAX_TURNS=2', 'TEMPERATURES=0', 'TRAIN_ROOMS=5']) == 0
     assert seen and all(r is None for r in seen)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(10000, 19999), st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_distance_shaping_undone_telescopes_to_the_change_in_distance(seed, moves):
+    "sinh(shaping / α) of each turn is that turn's change in BFS distance, so over an episode they sum to N(start) − N(end) (found here by `solve`)."
+    env = SokobanEnv(ROOMS)
+    t = Trajectory(seed=seed, room=env.reset(seed=seed))
+    for a in moves:
+        obs, reward, done, info = env.step(a)
+        t.actions.append(a); t.rewards.append(reward); t.observations.append(obs)
+        if done: break
+    def n(room):
+        plan = solve(*room_from_text(room), max_depth=30)
+        return 31 if plan is None else len(plan)
+    shaped = distance_shaping(t, 0.1, 30)
+    assert len(shaped) == len(t.observations)
+    assert sum(round(math.sinh(x / 0.1)) for x in shaped) == n(t.room) - n(t.observations[-1])
+    assert all(x == 0 for x, before, after in zip(shaped, [t.room] + t.observations, t.observations) if before == after)
+
+
+def test_distance_shaping_reaches_the_update(tiny_dir, tmp_path, monkeypatch):
+    "With DISTANCE_SHAPING the rewards the update sees are the env's plus α·asinh(N(s) − N(s′)) for each move, N found by `solve`."
+    from ragen_nb.rollout import ScriptedEngine
+    played, updated = [], []
+    real_rollout, real_step = trainer.rollout, trainer.ppo_step
+    def scripted(engine, tok, seeds, settings, cfg, seed=None, rooms=None):   # every answer Up, so moves are played
+        trajs = real_rollout(ScriptedEngine(tok, lambda text: 'Up</answer>'), tok, seeds, settings, cfg, seed=seed, rooms=rooms)
+        played.extend((t.room, list(t.observations), list(t.rewards)) for t in trajs)
+        return trajs
+    def step(trajs, *args, **kwargs):
+        updated.extend(list(t.rewards) for t in trajs)
+        return real_step(trajs, *args, **kwargs)
+    monkeypatch.setattr(trainer, 'rollout', scripted); monkeypatch.setattr(trainer, 'ppo_step', step)
+    args = [f'BASE_MODEL={tiny_dir}', f'OUTPUT_DIR={tmp_path}', 'EXPERIMENT_NAME=shaped', 'TRAIN_BATCH_SIZE=8', 'GROUP_SIZE=2',
+            'ADV_ESTIMATOR=grpo', 'PPO_BATCH_SIZE=8', 'MICRO_BATCH_SIZE=2', 'MAX_TURNS=3', 'MAX_STEPS=3', 'MAX_RESPONSE_LENGTH=6',
+            'KL_COEF=0', 'SEARCH_DEPTH=30', 'DISTANCE_SHAPING=0.1', 'TEST_FREQ=0', 'TOTAL_STEPS=1', 'SAVE_FREQ=1', 'ROLLOUT_ENGINE=hf']
+    assert trainer.train(Config.from_args(args), progress=False)['error'] is None
+    def n(room):
+        plan = solve(*room_from_text(room), max_depth=30)
+        return 31 if plan is None else len(plan)
+    assert len(updated) == len(played) == 8
+    moved = 0
+    for (room, seen, env_rewards), got in zip(played, updated):
+        rooms = [room] + seen
+        want = [r + 0.1 * math.asinh(n(a) - n(b)) for r, a, b in zip(env_rewards, rooms, rooms[1:])]
+        assert got == pytest.approx(want)
+        moved += sum(n(a) != n(b) for a, b in zip(rooms, rooms[1:]))
+    assert moved > 0                                                                 # some Up changed the distance
