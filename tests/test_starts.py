@@ -111,6 +111,11 @@ def test_evaluation_plays_true_starts(tiny_dir, tmp_path, monkeypatch):
     assert seen and all(r is None for r in seen)
 
 
+def bfs_moves(room: str) -> int:
+    "The reference distance: moves `solve` needs from `room` within 30, or 31 when it finds none."
+    plan = solve(*room_from_text(room), max_depth=30)
+    return 31 if plan is None else len(plan)
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(10000, 19999), st.lists(st.integers(1, 4), min_size=1, max_size=5))
 def test_distance_shaping_undone_telescopes_to_the_change_in_distance(seed, moves):
@@ -121,12 +126,9 @@ def test_distance_shaping_undone_telescopes_to_the_change_in_distance(seed, move
         obs, reward, done, info = env.step(a)
         t.actions.append(a); t.rewards.append(reward); t.observations.append(obs)
         if done: break
-    def n(room):
-        plan = solve(*room_from_text(room), max_depth=30)
-        return 31 if plan is None else len(plan)
     shaped = distance_shaping(t, 0.1, 30)
     assert len(shaped) == len(t.observations)
-    assert sum(round(math.sinh(x / 0.1)) for x in shaped) == n(t.room) - n(t.observations[-1])
+    assert sum(round(math.sinh(x / 0.1)) for x in shaped) == bfs_moves(t.room) - bfs_moves(t.observations[-1])
     assert all(x == 0 for x, before, after in zip(shaped, [t.room] + t.observations, t.observations) if before == after)
 
 
@@ -147,14 +149,11 @@ def test_distance_shaping_reaches_the_update(tiny_dir, tmp_path, monkeypatch):
             'ADV_ESTIMATOR=grpo', 'PPO_BATCH_SIZE=8', 'MICRO_BATCH_SIZE=2', 'MAX_TURNS=3', 'MAX_STEPS=3', 'MAX_RESPONSE_LENGTH=6',
             'KL_COEF=0', 'SEARCH_DEPTH=30', 'DISTANCE_SHAPING=0.1', 'TEST_FREQ=0', 'TOTAL_STEPS=1', 'SAVE_FREQ=1', 'ROLLOUT_ENGINE=hf']
     assert trainer.train(Config.from_args(args), progress=False)['error'] is None
-    def n(room):
-        plan = solve(*room_from_text(room), max_depth=30)
-        return 31 if plan is None else len(plan)
     assert len(updated) == len(played) == 8
     moved = 0
     for (room, seen, env_rewards), got in zip(played, updated):
         rooms = [room] + seen
-        want = [r + 0.1 * math.asinh(n(a) - n(b)) for r, a, b in zip(env_rewards, rooms, rooms[1:])]
+        want = [r + 0.1 * math.asinh(bfs_moves(a) - bfs_moves(b)) for r, a, b in zip(env_rewards, rooms, rooms[1:])]
         assert got == pytest.approx(want)
-        moved += sum(n(a) != n(b) for a, b in zip(rooms, rooms[1:]))
+        moved += sum(bfs_moves(a) != bfs_moves(b) for a, b in zip(rooms, rooms[1:]))
     assert moved > 0                                                                 # some Up changed the distance
